@@ -1,0 +1,478 @@
+"""Preparing a user's ONNX graph for onnxruntime's gradient builder.
+
+Plain graph code, no torch and no onnxruntime: loading and validating a model,
+a normalisation pass (rewrites of nodes the gradient builder refuses), the
+train/eval variants of a graph, and moving weights to graph inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ._onnx_utils import FLOAT_TYPES, np_dtype
+from .exceptions import OnnxModelError, OnnxTypeError
+
+# Inputs (by position) through which no gradient flows, per op type.
+_NON_DIFFERENTIABLE_SLOTS = {
+    "BatchNormalization": {3, 4},
+    "Dropout": {1, 2},
+    "Reshape": {1},
+    "Expand": {1},
+    "Tile": {1},
+    "Slice": {1, 2, 3, 4},
+    "Gather": {1},
+    "GatherElements": {1},
+    "GatherND": {1},
+    "ScatterElements": {1},
+    "ScatterND": {1},
+    "Pad": {1, 3},
+    "Resize": {1, 2, 3},
+    "Upsample": {1},
+    "Unsqueeze": {1},
+    "Squeeze": {1},
+    "ReduceSum": {1},
+    "ReduceMean": {1},
+    "ReduceMax": {1},
+    "ReduceMin": {1},
+    "ReduceProd": {1},
+    "ReduceL2": {1},
+    "ReduceLogSumExp": {1},
+    "TopK": {1},
+    "Split": {1},
+    "Where": {0},
+    "Clip": {1, 2},
+    "Trilu": {1},
+    "CumSum": {1},
+}
+# Ops whose outputs carry no gradient at all.
+_NON_DIFFERENTIABLE_OPS = frozenset(
+    {
+        "Shape",
+        "Size",
+        "Equal",
+        "Less",
+        "Greater",
+        "LessOrEqual",
+        "GreaterOrEqual",
+        "Not",
+        "And",
+        "Or",
+        "Xor",
+        "ArgMax",
+        "ArgMin",
+        "NonZero",
+        "Range",
+        "ConstantOfShape",
+        "Round",
+        "Sign",
+        "Floor",
+        "Ceil",
+        "IsNaN",
+        "IsInf",
+        "RandomNormalLike",
+        "RandomUniformLike",
+        "Bernoulli",
+        "EyeLike",
+        "OneHot",
+    }
+)
+
+TRAIN = "train"
+EVAL = "eval"
+
+
+def load_model(model) -> onnx.ModelProto:
+    """Return a private copy of ``model`` (a path, bytes or ``onnx.ModelProto``)."""
+    if isinstance(model, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        return copy
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        return _parse(bytes(model), "the bytes given")
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise OnnxModelError(f"ONNX file {path!r} does not exist")
+        try:
+            # onnx.load also reads weights stored as external data beside the file.
+            return onnx.load(path)
+        except Exception as exc:
+            raise OnnxModelError(f"file {path!r} is not a valid ONNX model: {exc}") from exc
+    raise OnnxTypeError(
+        f"model must be a path, bytes or onnx.ModelProto, got {type(model).__name__}"
+    )
+
+
+def _parse(data: bytes, where: str) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception as exc:  # protobuf raises its own DecodeError
+        raise OnnxModelError(f"{where} is not a valid ONNX model: {exc}") from exc
+    if not model.graph.node and not model.graph.output:
+        raise OnnxModelError(f"{where} is not a valid ONNX model: it holds no graph")
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Name, element type and shape (ints or symbolic names, None if unknown)."""
+
+    name: str
+    elem_type: int
+    shape: tuple | None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np_dtype(self.elem_type)
+
+
+def _spec(value_info: onnx.ValueInfoProto) -> TensorSpec:
+    tensor_type = value_info.type.tensor_type
+    shape = None
+    if tensor_type.HasField("shape"):
+        shape = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in tensor_type.shape.dim
+        )
+    return TensorSpec(value_info.name, tensor_type.elem_type, shape)
+
+
+@dataclasses.dataclass
+class GraphSummary:
+    """What the bridge needs to know about a user's graph."""
+
+    name: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    float_initializers: dict[str, np.ndarray]
+    differentiable_initializers: set[str]
+
+
+def summarize(model: onnx.ModelProto) -> GraphSummary:
+    """Inputs, outputs and float initializers of a normalised model."""
+    graph = model.graph
+    init_names = {init.name for init in graph.initializer}
+    inputs = [_spec(i) for i in graph.input if i.name not in init_names]
+    outputs = [_spec(o) for o in graph.output]
+    floats = {
+        init.name: numpy_helper.to_array(init)
+        for init in graph.initializer
+        if init.data_type in FLOAT_TYPES
+    }
+    return GraphSummary(
+        name=graph.name or "onnx_graph",
+        inputs=inputs,
+        outputs=outputs,
+        float_initializers=floats,
+        differentiable_initializers=_gradient_reachable(model, set(floats)),
+    )
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every named tensor shape inference can type."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # a graph shape inference cannot handle still runs
+        inferred = model
+    graph = inferred.graph
+    types = {init.name: init.data_type for init in graph.initializer}
+    for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
+        if vi.type.tensor_type.elem_type:
+            types[vi.name] = vi.type.tensor_type.elem_type
+    return types
+
+
+def _gradient_reachable(model: onnx.ModelProto, candidates: set[str]) -> set[str]:
+    """Candidates from which a gradient path leads to a float graph output."""
+    types = _elem_types(model)
+
+    def is_float(name):
+        return types.get(name, TensorProto.FLOAT) in FLOAT_TYPES
+
+    needed = {o.name for o in model.graph.output if is_float(o.name)}
+    # Walk nodes backwards: a node whose float output needs a gradient passes
+    # the need on to its differentiable float inputs.
+    for node in reversed(_topological(model.graph)):
+        if node.op_type in _NON_DIFFERENTIABLE_OPS:
+            continue
+        if not any(out in needed for out in node.output):
+            continue
+        skip = _NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ())
+        for pos, name in enumerate(node.input):
+            if name and pos not in skip and is_float(name):
+                needed.add(name)
+    return candidates & needed
+
+
+def _topological(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """Nodes in an order where producers come first (exporters usually comply)."""
+    produced = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    remaining, ordered = list(graph.node), []
+    while remaining:
+        ready = [n for n in remaining if all(i in produced for i in n.input)]
+        if not ready:  # inputs from an outer scope or a cycle: keep file order
+            ordered.extend(remaining)
+            break
+        for node in ready:
+            produced.update(node.output)
+        ordered.extend(ready)
+        remaining = [n for n in remaining if all(n is not r for r in ready)]
+    return ordered
+
+
+def _unique(base: str, taken: set[str]) -> str:
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name
+
+
+def _all_names(graph: onnx.GraphProto) -> set[str]:
+    names = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    names |= {o.name for o in graph.output}
+    for node in graph.node:
+        names.update(node.output)
+        names.add(node.name)
+    return names
+
+
+def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Rewrite nodes onnxruntime's gradient builder refuses into equivalent ones.
+
+    - ``CastLike`` has no registered gradient: it becomes a ``Cast`` to the
+      statically known type of its second input.
+    - ``LayerNormalization`` with only its first output fails inside the
+      builder: its optional mean and inverse-std outputs are named.
+    - Unnamed nodes get a name.
+    """
+    graph = model.graph
+    types = _elem_types(model)
+    taken = _all_names(graph)
+    for node in graph.node:
+        if not node.name:  # errors and BatchNorm bookkeeping refer to nodes by name
+            node.name = _unique(f"{node.op_type}_{node.output[0]}", taken)
+        if node.op_type == "CastLike" and node.domain in ("", "ai.onnx"):
+            target = types.get(node.input[1])
+            if target is None:
+                raise OnnxModelError(
+                    f"node {node.name!r} (CastLike): the type of {node.input[1]!r} is unknown, "
+                    "the node cannot be rewritten as a Cast for the gradient builder"
+                )
+            data = node.input[0]
+            del node.input[:]
+            node.input.append(data)
+            del node.attribute[:]
+            node.attribute.append(helper.make_attribute("to", target))
+            node.op_type = "Cast"
+        elif node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
+            while len(node.output) < 3:
+                node.output.append(_unique(f"{node.output[0]}_ln_stat", taken))
+            for pos in (1, 2):
+                if not node.output[pos]:
+                    node.output[pos] = _unique(f"{node.output[0]}_ln_stat", taken)
+    return model
+
+
+@dataclasses.dataclass
+class BatchNormStats:
+    """A BatchNormalization node whose running statistics the bridge updates."""
+
+    node_name: str
+    mean: str
+    var: str
+    momentum: float
+
+
+def batch_norm_nodes(model: onnx.ModelProto) -> list[BatchNormStats]:
+    """BatchNormalization nodes whose running statistics are float initializers."""
+    inits = {i.name for i in model.graph.initializer}
+    found = []
+    for node in model.graph.node:
+        if node.op_type != "BatchNormalization":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        mean, var = node.input[3], node.input[4]
+        if mean in inits and var in inits:
+            found.append(BatchNormStats(node.name, mean, var, float(attrs.get("momentum", 0.9))))
+    return found
+
+
+def make_variant(
+    model: onnx.ModelProto, mode: str, frozen_batch_norm: bool, for_gradient: bool
+) -> tuple[onnx.ModelProto, list[str]]:
+    """The graph as it computes in ``mode`` (``"train"`` or ``"eval"``).
+
+    Returns the model and the names of the extra outputs it gains (new
+    running mean and variance of each BatchNormalization updated in train
+    mode, in :func:`batch_norm_nodes` order; only when ``for_gradient`` is
+    false: the gradient graph gets them from its own training-mode kernel).
+
+    - Dropout: active in train mode (``training_mode`` forced true), an
+      Identity in eval mode.
+    - BatchNormalization: batch statistics in train mode; running statistics
+      (as elementary ops, since the gradient builder turns an inference-mode
+      BatchNormalization into a training-mode one) in eval mode or when
+      ``frozen_batch_norm``.
+    """
+    variant = onnx.ModelProto()
+    variant.CopyFrom(model)
+    graph = variant.graph
+    taken = _all_names(graph)
+    ranks = _ranks(variant)
+    true_name = None
+    new_nodes, extra_outputs = [], []
+    for node in graph.node:
+        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
+            if mode == EVAL:
+                if len(node.output) > 1 and node.output[1]:
+                    # The mask is used: keep the node, switched off.
+                    _set_dropout_training(node, graph, taken, False)
+                    new_nodes.append(node)
+                else:
+                    new_nodes.append(
+                        helper.make_node("Identity", [node.input[0]], [node.output[0]], node.name)
+                    )
+                continue
+            if true_name is None:
+                true_name = _set_dropout_training(node, graph, taken, True)
+            else:
+                _set_dropout_input(node, 2, true_name)
+            new_nodes.append(node)
+        elif node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+            if mode == EVAL or frozen_batch_norm:
+                new_nodes.extend(_decompose_batch_norm(node, ranks, taken, graph))
+            elif not for_gradient:
+                # Inference session in train mode: the training kernel
+                # computes batch statistics and the new running statistics.
+                _strip_training_attr(node)
+                node.attribute.append(helper.make_attribute("training_mode", 1))
+                outs = [_unique(f"{node.output[0]}_running_{s}", taken) for s in ("mean", "var")]
+                node.output.extend(outs)
+                extra_outputs.extend(outs)
+                new_nodes.append(node)
+            else:
+                new_nodes.append(node)
+        else:
+            new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    for name in extra_outputs:
+        graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+    return variant, extra_outputs
+
+
+def _strip_training_attr(node):
+    keep = [a for a in node.attribute if a.name != "training_mode"]
+    del node.attribute[:]
+    node.attribute.extend(keep)
+
+
+def _set_dropout_input(node, pos, name):
+    while len(node.input) <= pos:
+        node.input.append("")
+    node.input[pos] = name
+
+
+def _set_dropout_training(node, graph, taken, value: bool) -> str:
+    name = _unique("ortbridge_training_true" if value else "ortbridge_training_false", taken)
+    graph.initializer.append(numpy_helper.from_array(np.array(value), name))
+    _set_dropout_input(node, 2, name)
+    return name
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        inferred = model
+    graph = inferred.graph
+    ranks = {}
+    for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
+        if vi.type.tensor_type.HasField("shape"):
+            ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
+    return ranks
+
+
+def _decompose_batch_norm(node, ranks, taken, graph) -> list[onnx.NodeProto]:
+    """Inference-mode BatchNormalization as ops the gradient builder keeps as they are."""
+    x, scale, bias, mean, var = node.input[:5]
+    rank = ranks.get(x)
+    if rank is None:
+        raise OnnxModelError(
+            f"node {node.name!r} (BatchNormalization): the rank of its input {x!r} is unknown; "
+            "run onnx.shape_inference on the model or give the input a shape"
+        )
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    eps = float(attrs.get("epsilon", 1e-5))
+    prefix = _unique(f"{node.name or 'bn'}_frozen", taken)
+
+    def new(suffix):
+        return _unique(f"{prefix}_{suffix}", taken)
+
+    eps_name, shape_name = new("eps"), new("shape")
+    graph.initializer.append(numpy_helper.from_array(np.array(eps, dtype=np.float32), eps_name))
+    graph.initializer.append(
+        numpy_helper.from_array(np.array([-1] + [1] * (rank - 2), dtype=np.int64), shape_name)
+    )
+    eps_like, var_eps, std, factor = new("eps_like"), new("var_eps"), new("std"), new("factor")
+    shift, offset, factor_b, offset_b = (
+        new("shift"),
+        new("offset"),
+        new("factor_b"),
+        new("offset_b"),
+    )
+    scaled = new("scaled")
+    return [
+        helper.make_node("Cast", [eps_name], [eps_like], to=_elem_type_of(graph, var)),
+        helper.make_node("Add", [var, eps_like], [var_eps]),
+        helper.make_node("Sqrt", [var_eps], [std]),
+        helper.make_node("Div", [scale, std], [factor]),
+        helper.make_node("Mul", [mean, factor], [shift]),
+        helper.make_node("Sub", [bias, shift], [offset]),
+        helper.make_node("Reshape", [factor, shape_name], [factor_b]),
+        helper.make_node("Reshape", [offset, shape_name], [offset_b]),
+        helper.make_node("Mul", [x, factor_b], [scaled]),
+        helper.make_node("Add", [scaled, offset_b], [node.output[0]], name=node.name),
+    ]
+
+
+def _elem_type_of(graph, name) -> int:
+    for init in graph.initializer:
+        if init.name == name:
+            return init.data_type
+    for vi in list(graph.input) + list(graph.value_info):
+        if vi.name == name and vi.type.tensor_type.elem_type:
+            return vi.type.tensor_type.elem_type
+    return TensorProto.FLOAT
+
+
+def weights_as_inputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """Move the initializers ``names`` to graph inputs (in that order, after the user inputs)."""
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    keep = [init for init in graph.initializer if init.name not in set(names)]
+    for name in names:
+        init = inits[name]
+        graph.input.append(helper.make_tensor_value_info(name, init.data_type, list(init.dims)))
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    return model
+
+
+def with_weights(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of ``model`` whose initializers ``weights`` hold new values."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for init in out.graph.initializer:
+        if init.name in weights:
+            value = np.ascontiguousarray(weights[init.name]).astype(np_dtype(init.data_type))
+            init.CopyFrom(numpy_helper.from_array(value, init.name))
+    return out

@@ -1,0 +1,383 @@
+"""``OnnxModule``: an ONNX graph as a trainable ``torch.nn.Module``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from . import _graph
+from ._bridge import Bridge
+from ._function import make_function
+from .exceptions import NotDifferentiableError, OnnxInputError, OnnxTypeError, OrtBridgeError
+
+_BATCH_NORM_MODES = ("track", "frozen")
+
+
+class OnnxModule(nn.Module):
+    """An ONNX graph as a ``torch.nn.Module`` whose weights torch trains.
+
+    Forward and backward run in onnxruntime-training (its ``TrainingAgent``),
+    tensors are shared with torch through DLPack. Float initializers become
+    ``nn.Parameter`` (trainable) or buffers (frozen), named after the
+    initializer (``"fc.weight"`` becomes submodule ``fc``, parameter
+    ``weight``, so a state dict of the torch model the graph was exported
+    from loads as it is).
+
+    Parameters
+    ----------
+    model : str, os.PathLike, bytes or onnx.ModelProto
+        The ONNX model.
+    trainable : None, iterable of str, or callable
+        Which float initializers become parameters. None: every one a
+        gradient can reach (BatchNorm running statistics and the like stay
+        buffers). An iterable of initializer names, or a callable
+        ``(name, numpy_array) -> bool``.
+    providers : list, optional
+        onnxruntime execution providers; default: CPU, or CUDA for a module
+        on a CUDA device.
+    session_options : onnxruntime.SessionOptions, optional
+        Replaces the default options (no spinning intra-op threads, as many
+        threads as ``torch.get_num_threads()``).
+    batch_norm : {"track", "frozen"}
+        ``"track"`` (default) behaves like torch's BatchNorm: batch
+        statistics and running-statistics updates in train mode. ``"frozen"``
+        uses the running statistics in train mode too (affine weights still
+        train).
+
+    Examples
+    --------
+    >>> import torch, ortbridge
+    >>> from ortbridge._examples import linear_model
+    >>> layer = ortbridge.OnnxModule(linear_model(3, 2))
+    >>> y = layer(torch.ones(4, 3))
+    >>> y.sum().backward()
+    >>> [name for name, _ in layer.named_onnx_parameters()]
+    ['weight', 'bias']
+    """
+
+    def __init__(
+        self,
+        model,
+        trainable: None | Iterable[str] | Callable[[str, np.ndarray], bool] = None,
+        *,
+        providers=None,
+        session_options=None,
+        batch_norm: str = "track",
+    ):
+        super().__init__()
+        if batch_norm not in _BATCH_NORM_MODES:
+            raise OnnxInputError(
+                f"batch_norm must be one of {_BATCH_NORM_MODES}, got {batch_norm!r}"
+            )
+        original = _graph.load_model(model)
+        prepared = _graph.normalize(_graph.load_model(original))
+        summary = _graph.summarize(prepared)
+        self._original = original
+        self._summary = summary
+        self._batch_norm = batch_norm
+        self._providers = providers
+        self._session_options = session_options
+        chosen = _choose_trainable(trainable, summary)
+        self._onnx_names: dict[str, tuple[str, ...]] = {}
+        for name, array in summary.float_initializers.items():
+            tensor = torch.from_numpy(np.array(array, copy=True))
+            self._register_weight(name, tensor, name in chosen)
+        self._weight_names = list(summary.float_initializers)
+        self._build_bridge()
+        if chosen:
+            self._check_trainable(chosen, trainable is None)
+
+    # -- construction --------------------------------------------------------
+
+    def _register_weight(self, name: str, tensor: torch.Tensor, trainable: bool) -> None:
+        path = _attribute_path(self, name)
+        owner = self
+        for part in path[:-1]:
+            child = owner._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        if trainable:
+            owner.register_parameter(path[-1], nn.Parameter(tensor))
+        else:
+            owner.register_buffer(path[-1], tensor)
+        self._onnx_names[name] = path
+
+    def _build_bridge(self) -> None:
+        self._bridge = Bridge(
+            self._summary_model(),
+            [s.name for s in self._summary.inputs],
+            self._weight_names,
+            frozen_batch_norm=self._batch_norm == "frozen",
+            providers=self._providers,
+            session_options=self._session_options,
+        )
+        self.function = make_function(self._summary.name)
+
+    def _summary_model(self) -> onnx.ModelProto:
+        return _graph.normalize(_graph.load_model(self._original))
+
+    def _check_trainable(self, chosen: set[str], default: bool) -> None:
+        """Build the training graph now, so a graph that cannot train fails here."""
+        device = self._device()
+        needs = [False] * len(self._summary.inputs) + [n in chosen for n in self._weight_names]
+        while True:
+            try:
+                self._bridge.gradient_graph(_graph.TRAIN, needs, device)
+                return
+            except NotDifferentiableError as exc:
+                # The static analysis may miss a path the builder knows to be
+                # dead: by default such weights simply stay frozen.
+                name = _unreachable_name(exc)
+                if not default or name not in chosen:
+                    raise
+                chosen.discard(name)
+                path = self._onnx_names[name]
+                owner = self._owner(path)
+                tensor = owner._parameters.pop(path[-1]).detach()
+                owner.register_buffer(path[-1], tensor)
+                needs = [False] * len(self._summary.inputs) + [
+                    n in chosen for n in self._weight_names
+                ]
+
+    def _owner(self, path) -> nn.Module:
+        owner = self
+        for part in path[:-1]:
+            owner = owner._modules[part]
+        return owner
+
+    # -- public API ----------------------------------------------------------
+
+    @property
+    def input_names(self) -> list[str]:
+        """Names of the graph inputs, in call order."""
+        return [s.name for s in self._summary.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        """Names of the graph outputs, in return order."""
+        return [s.name for s in self._summary.outputs]
+
+    def onnx_weight(self, name: str) -> torch.Tensor:
+        """The parameter or buffer holding initializer ``name``."""
+        try:
+            path = self._onnx_names[name]
+        except KeyError:
+            raise OnnxInputError(
+                f"no float initializer named {name!r}; known: {sorted(self._onnx_names)}"
+            ) from None
+        owner = self._owner(path)
+        return getattr(owner, path[-1])
+
+    def named_onnx_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Yield ``(onnx_initializer_name, parameter)`` for the trainable weights."""
+        for name in self._weight_names:
+            tensor = self.onnx_weight(name)
+            if isinstance(tensor, nn.Parameter):
+                yield name, tensor
+
+    def to_onnx(self) -> onnx.ModelProto:
+        """The original model with the current weights in its initializers."""
+        changed = {}
+        for name in self._weight_names:
+            value = self.onnx_weight(name).detach().cpu().numpy()
+            if not np.array_equal(value, self._summary.float_initializers[name]):
+                changed[name] = value
+        return _graph.with_weights(self._original, changed)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write :meth:`to_onnx` to ``path``."""
+        onnx.save(self.to_onnx(), os.fspath(path))
+
+    def extra_repr(self) -> str:
+        n_train = sum(1 for _ in self.named_onnx_parameters())
+        return (
+            f"graph={self._summary.name!r}, inputs={self.input_names}, "
+            f"outputs={self.output_names}, trainable={n_train}/{len(self._weight_names)}"
+        )
+
+    # -- running -------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        for name in self._weight_names:
+            return self.onnx_weight(name).device
+        return torch.device("cpu")
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [self.onnx_weight(name) for name in self._weight_names]
+
+    def forward(self, *args, **kwargs):
+        inputs = self._bind(args, kwargs)
+        weights = self._weights()
+        device = weights[0].device if weights else inputs[0].device
+        inputs = [
+            self._check_input(spec, t, device) for spec, t in zip(self._summary.inputs, inputs)
+        ]
+        self._check_weights(weights)
+        tensors = inputs + weights
+        mode = _graph.TRAIN if self.training else _graph.EVAL
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            outputs = self.function.apply(self._bridge, mode, *tensors)
+        else:
+            outputs = self._bridge.run_inference(mode, tensors)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _bind(self, args, kwargs) -> list[torch.Tensor]:
+        specs = self._summary.inputs
+        names = [s.name for s in specs]
+        if len(args) > len(specs):
+            raise OnnxInputError(
+                f"graph {self._summary.name!r} takes {len(specs)} input(s) {names}, "
+                f"got {len(args)} positional argument(s)"
+            )
+        bound = list(args) + [None] * (len(specs) - len(args))
+        for key, value in kwargs.items():
+            if key not in names:
+                raise OnnxInputError(f"unknown input {key!r}; the graph's inputs are {names}")
+            pos = names.index(key)
+            if bound[pos] is not None:
+                raise OnnxInputError(f"input {key!r} given twice")
+            bound[pos] = value
+        missing = [n for n, v in zip(names, bound) if v is None]
+        if missing:
+            raise OnnxInputError(
+                f"missing input(s) {missing}: the graph takes {len(specs)} input(s) {names}"
+            )
+        return bound
+
+    def _check_input(self, spec, tensor, device) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise OnnxTypeError(
+                f"input {spec.name!r} must be a torch.Tensor, got {type(tensor).__name__}"
+            )
+        expected = _torch_dtype(spec)
+        if tensor.dtype != expected:
+            if tensor.is_floating_point() and expected.is_floating_point and _autocasting(tensor):
+                tensor = tensor.to(expected)
+            else:
+                raise OnnxTypeError(f"input {spec.name!r} must be {expected}, got {tensor.dtype}")
+        if spec.shape is not None:
+            if tensor.dim() != len(spec.shape) or any(
+                isinstance(d, int) and d > 0 and d != s for d, s in zip(spec.shape, tensor.shape)
+            ):
+                raise OnnxInputError(
+                    f"input {spec.name!r} must have shape {_shape_str(spec.shape)}, "
+                    f"got {tuple(tensor.shape)}"
+                )
+        if tensor.device != device:
+            raise OnnxInputError(
+                f"input {spec.name!r} is on {tensor.device} but the module is on {device}: "
+                f"move one of them (module.to(device) or tensor.to(device))"
+            )
+        return tensor.contiguous()
+
+    def _check_weights(self, weights) -> None:
+        for name, tensor in zip(self._weight_names, weights):
+            expected = self._summary.float_initializers[name].dtype
+            if tensor.dtype != _TORCH_DTYPES.get(expected.str, tensor.dtype):
+                raise OrtBridgeError(
+                    f"weight {name!r} is {tensor.dtype} but the ONNX graph computes in "
+                    f"{expected}: .double()/.half() cannot change an ONNX graph's types; "
+                    "convert the ONNX model itself, or use torch.autocast for inputs"
+                )
+
+    # -- pickling / copying: onnxruntime sessions are rebuilt, not copied ----
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_original"] = self._original.SerializeToString()
+        state.pop("_bridge", None)
+        state.pop("function", None)
+        return state
+
+    def __setstate__(self, state):
+        original = onnx.ModelProto()
+        original.ParseFromString(state["_original"])
+        state["_original"] = original
+        self.__dict__.update(state)
+        self._build_bridge()
+
+
+_TORCH_DTYPES = {
+    np.dtype(np.float32).str: torch.float32,
+    np.dtype(np.float64).str: torch.float64,
+    np.dtype(np.float16).str: torch.float16,
+}
+
+
+def _torch_dtype(spec) -> torch.dtype:
+    try:
+        return torch.from_numpy(np.empty(0, dtype=spec.dtype)).dtype
+    except TypeError as exc:
+        raise OnnxTypeError(f"input {spec.name!r} has a type torch does not support") from exc
+
+
+def _autocasting(tensor: torch.Tensor) -> bool:
+    return torch.is_autocast_enabled(tensor.device.type)
+
+
+def _shape_str(shape) -> str:
+    return "(" + ", ".join(str(d) if d is not None else "?" for d in shape) + ")"
+
+
+def _attribute_path(module: nn.Module, name: str) -> tuple[str, ...]:
+    """Where initializer ``name`` lives in the module tree (dots make submodules)."""
+    parts = tuple(name.split("."))
+    if all(p.isidentifier() or p.isdigit() for p in parts) and not _clashes(module, parts):
+        return parts
+    flat = "onnx_" + "".join(c if c.isalnum() else "_" for c in name)
+    while hasattr(module, flat) or flat in module._parameters or flat in module._buffers:
+        flat += "_"
+    return (flat,)
+
+
+def _clashes(module: nn.Module, parts) -> bool:
+    owner = module
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part in owner._parameters or part in owner._buffers:
+            return True
+        child = owner._modules.get(part)
+        if child is None:
+            return hasattr(owner, part)
+        if last:
+            return True
+        owner = child
+    return False
+
+
+def _choose_trainable(trainable, summary) -> set[str]:
+    floats = summary.float_initializers
+    if trainable is None:
+        return set(summary.differentiable_initializers)
+    if callable(trainable):
+        return {name for name, array in floats.items() if trainable(name, array)}
+    if isinstance(trainable, str):
+        trainable = [trainable]
+    try:
+        names = list(trainable)
+    except TypeError:
+        raise OnnxTypeError(
+            "trainable must be None, an iterable of initializer names or a callable "
+            f"(name, array) -> bool, got {type(trainable).__name__}"
+        ) from None
+    unknown = [n for n in names if n not in floats]
+    if unknown:
+        raise OnnxInputError(
+            f"unknown trainable initializer(s) {unknown}; the float initializers are "
+            f"{sorted(floats)}"
+        )
+    return set(names)
+
+
+def _unreachable_name(exc: NotDifferentiableError) -> str | None:
+    text = str(exc)
+    if text.startswith("no gradient reaches "):
+        return text.split("'")[1]
+    return None
