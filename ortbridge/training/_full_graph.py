@@ -1,0 +1,608 @@
+"""Full-graph training: loss, backward and optimizer in one onnxruntime graph.
+
+When the whole model is ONNX, torch has nothing left to do during training.
+:func:`build_training_graph` appends the loss (:func:`ortbridge.add_loss_output`),
+asks onnxruntime's gradient builder for the backward nodes, and appends the
+optimizer update (:mod:`._update_graph`), so that one ``run_with_iobinding``
+call runs a whole training step. The weights and the optimizer state live in
+two sets of onnxruntime buffers bound once: a step reads one set and writes
+the other, the next step the other way round. No tensor is copied between
+steps and the optimizer needs no second call.
+
+onnxruntime's own training API (``onnxruntime.training.api``) needs two calls
+a step (``Module.__call__`` then ``Optimizer.step``), copies every gradient
+into an accumulation buffer, and its ``generate_artifacts`` writes an AdamW
+that is not torch's; it is not used here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import numpy as np
+import onnx
+
+from .. import _ort
+from .._graph import load_model, normalize, weights_as_inputs, with_weights
+from .._onnx_utils import FLOAT_TYPES, np_dtype
+from ..exceptions import (
+    NotDifferentiableError,
+    NotFittedError,
+    OnnxInputError,
+    OnnxModelError,
+    TrainingDivergedError,
+)
+from ..losses import add_loss_output, pin_ir_version
+from ._update_graph import (
+    LEARNING_RATE,
+    StateSlot,
+    append_update,
+    declare_slots,
+    optimizer_options,
+)
+
+_LABEL = "ortbridge/label"
+_SAMPLE_WEIGHT = "ortbridge/sample_weight"
+_LOSS = "ortbridge/loss"
+_CHECKPOINT_FORMAT = "ortbridge.OrtFullGraphTrainer checkpoint"
+
+
+@dataclasses.dataclass
+class TrainingGraph:
+    """The training graph and what is needed to feed it."""
+
+    model: onnx.ModelProto
+    data_inputs: list[str]
+    slots: list[StateSlot]
+    dtype: np.dtype
+    loss: str
+
+
+def build_training_graph(
+    model: onnx.ModelProto,
+    trainable: list[str],
+    *,
+    loss: str,
+    optimizer: str,
+    options: dict,
+    weighted: bool,
+    output_index: int = 0,
+    penalty: dict | None = None,
+    session_options=None,
+) -> TrainingGraph:
+    """Forward, loss, gradients and update of ``trainable`` as one ONNX graph.
+
+    Inputs: the model's input, the label, the sample weights (if
+    ``weighted``), the learning rate, then every state slot; outputs: the
+    loss, then the next value of every slot.
+    """
+    ort = _ort.onnxruntime()
+    C = ort.capi._pybind_state
+    with_loss = add_loss_output(
+        model,
+        loss,
+        weight_name=_SAMPLE_WEIGHT if weighted else None,
+        penalty=penalty,
+        output_index=output_index,
+        label_name=_LABEL,
+        loss_name=_LOSS,
+    )
+    graph = with_loss.graph
+    del graph.output[1:]  # predictions are not needed while training
+    elem = graph.output[0].type.tensor_type.elem_type
+    loss_name = _LOSS
+    if elem != onnx.TensorProto.FLOAT:
+        # The gradient builder seeds the backward with a float32 gradient of
+        # the loss: a float64 loss is cast to float32 for it (the cast's
+        # gradient casts back, the weights' gradients stay float64).
+        loss_name = f"{_LOSS}/float32"
+        graph.node.append(
+            onnx.helper.make_node("Cast", [_LOSS], [loss_name], to=onnx.TensorProto.FLOAT)
+        )
+        graph.output[0].CopyFrom(
+            onnx.helper.make_tensor_value_info(loss_name, onnx.TensorProto.FLOAT, [])
+        )
+    forward = weights_as_inputs(with_loss, trainable)
+    shapes = {init.name: tuple(init.dims) for init in model.graph.initializer}
+    so = session_options or _session_options()
+    try:
+        optimized = C.get_optimized_model(forward.SerializeToString(), set(trainable), so)
+        builder = C.GradientGraphBuilder(optimized, {loss_name}, set(trainable), loss_name, so)
+        builder.build()
+        graph_model = onnx.load_from_string(builder.get_model())
+    except Exception as exc:
+        raise NotDifferentiableError(
+            f"onnxruntime could not build the gradient of loss {loss!r} with respect to "
+            f"{trainable}: {exc}"
+        ) from exc
+    graph = graph_model.graph
+    del graph.output[1:]  # the gradients feed the update, they are not returned
+    slots = append_update(
+        graph, {name: shapes[name] for name in trainable}, np_dtype(elem), optimizer, options
+    )
+    declare_slots(graph, slots, elem)
+    pin_ir_version(graph_model)
+    data_inputs = [i.name for i in forward.graph.input if i.name not in set(trainable)]
+    return TrainingGraph(graph_model, data_inputs, slots, np_dtype(elem), loss_name)
+
+
+def _session_options():
+    """Quiet sessions whose idle threads do not spin (the machine may be shared)."""
+    ort = _ort.onnxruntime()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
+
+
+class _PingPong:
+    """Runs a training graph with its state in two sets of bound buffers.
+
+    ``bindings[k]`` reads state set ``k`` and writes set ``1 - k``; after a
+    step the current set flips. The learning rate and the loss have one
+    buffer each, bound in both.
+    """
+
+    def __init__(self, training: TrainingGraph, initial: dict, session_options=None):
+        ort = _ort.onnxruntime()
+        C = ort.capi._pybind_state
+        self.training = training
+        self.device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+        so = session_options or _session_options()
+        try:
+            self.session = ort.InferenceSession(
+                training.model.SerializeToString(), so, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:
+            raise OnnxModelError(f"onnxruntime cannot load the training graph: {exc}") from exc
+        dtype = training.dtype
+
+        def buffer(shape):
+            return C.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device)
+
+        self.sets = [{s.input: buffer(s.shape) for s in training.slots} for _ in range(2)]
+        self.learning_rate = buffer(())
+        self.loss = C.OrtValue.ortvalue_from_shape_and_type([], np.float32, self.device)
+        self.bindings = []
+        for k in range(2):
+            binding = C.SessionIOBinding(self.session._sess)
+            for slot in training.slots:
+                binding.bind_ortvalue_input(slot.input, self.sets[k][slot.input])
+                binding.bind_ortvalue_output(slot.output, self.sets[1 - k][slot.input])
+            binding.bind_ortvalue_input(LEARNING_RATE, self.learning_rate)
+            binding.bind_ortvalue_output(training.loss, self.loss)
+            self.bindings.append(binding)
+        self.current = 0
+        self.run_options = C.RunOptions()
+        # The one onnxruntime call of a step (a bound method: tests count it).
+        self.run = self.session._sess.run_with_iobinding
+        self.write_state(initial)
+
+    def write_state(self, values: dict) -> None:
+        """Copy ``values`` (slot input name -> array) into the current set."""
+        for name, value in values.items():
+            target = self.sets[self.current][name]
+            self.sets[self.current][name].update_inplace(
+                np.ascontiguousarray(value, dtype=self.training.dtype).reshape(target.shape())
+            )
+
+    def read_state(self) -> dict:
+        """Copies of the current state, slot input name -> array."""
+        return {name: value.numpy() for name, value in self.sets[self.current].items()}
+
+    def step(self, arrays: list[np.ndarray]) -> float:
+        """One training step on a batch (contiguous arrays, in ``data_inputs`` order)."""
+        binding = self.bindings[self.current]
+        for name, array in zip(self.training.data_inputs, arrays):
+            # Bound by address: the batch is not copied.
+            binding.bind_input(name, self.device, array.dtype, array.shape, array.ctypes.data)
+        try:
+            self.run(binding, self.run_options)
+        except Exception as exc:
+            raise OnnxModelError(
+                f"onnxruntime failed to run a training step on a batch of shapes "
+                f"{[a.shape for a in arrays]}: {exc}"
+            ) from exc
+        self.current = 1 - self.current
+        return float(self.loss.numpy())
+
+
+class OrtFullGraphTrainer:
+    """Trains a whole ONNX model inside onnxruntime: forward, loss, backward, update.
+
+    Each training step is one onnxruntime call on one graph built from the
+    model, its loss (:func:`ortbridge.add_loss_output`), its gradients and
+    the optimizer's update; the weights and the optimizer state stay in
+    onnxruntime's buffers between steps. Losses and optimizers follow torch:
+    the same model, batches and hyperparameters give the same weights as
+    ``torch.optim.AdamW`` or ``torch.optim.SGD`` on a ``reduction="mean"`` loss.
+
+    ``fit`` continues from the current state: the first call starts from the
+    model's initializers, later calls (and calls after
+    :meth:`load_checkpoint`) go on training; :meth:`reset` starts over.
+
+    Parameters
+    ----------
+    model : onnx.ModelProto, bytes or path
+        A predicting model with one input; its output ``output_index`` is the
+        prediction, batch on the first axis.
+    loss : {"squared_error", "absolute_error", "elastic", "log_loss"}
+        See :mod:`ortbridge.losses`.
+    optimizer : {"adamw", "sgd"}
+        torch's ``AdamW`` (betas 0.9/0.999, eps 1e-8, weight_decay 0.01) or
+        ``SGD`` (no momentum) unless ``optimizer_params`` says otherwise.
+    learning_rate : float
+        The learning rate.
+    batch_size : int
+        Rows per step; the last batch of an epoch may be smaller.
+    max_iter : int
+        Epochs per call to ``fit``.
+    shuffle : bool
+        Draw a new order of the rows every epoch.
+    random_state : int, optional
+        Seed of the shuffling.
+    trainable : list of str, optional
+        Initializers to train; all floating-point ones by default
+        (:func:`ortbridge.get_train_initializer`), the others stay frozen.
+    optimizer_params : dict, optional
+        Options of the optimizer, names as torch's: ``betas``, ``eps``,
+        ``weight_decay`` for ``adamw``; ``momentum``, ``nesterov``,
+        ``weight_decay`` for ``sgd``.
+    penalty : dict, optional
+        L1/L2 penalties per initializer, see :func:`ortbridge.add_loss_output`.
+    output_index : int
+        Which model output is the prediction.
+    session_options : onnxruntime.SessionOptions, optional
+        Options of the training and predicting sessions.
+
+    Attributes
+    ----------
+    train_losses_ : list of float
+        Mean training loss of each epoch (batch losses weighted by batch length).
+    n_iter_ : int
+        Epochs run so far.
+    n_steps_ : int
+        Training steps (onnxruntime calls) run so far.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from ortbridge.training import OrtFullGraphTrainer
+    >>> from ortbridge._examples import linear_model
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.standard_normal((64, 3)).astype(np.float32)
+    >>> y = X @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+    >>> trainer = OrtFullGraphTrainer(linear_model(3, 1), optimizer="sgd",
+    ...                               learning_rate=0.1, max_iter=20, random_state=0)
+    >>> trainer = trainer.fit(X, y)
+    >>> trainer.train_losses_[-1] < 1e-3 < trainer.train_losses_[0]
+    True
+    >>> bool(np.abs(trainer.predict(X) - y).max() < 0.05)
+    True
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        loss: str = "squared_error",
+        optimizer: str = "adamw",
+        learning_rate: float = 1e-3,
+        batch_size: int = 32,
+        max_iter: int = 10,
+        shuffle: bool = True,
+        random_state: int | None = None,
+        trainable: list[str] | None = None,
+        optimizer_params: dict | None = None,
+        penalty: dict | None = None,
+        output_index: int = 0,
+        session_options=None,
+    ):
+        self.model = model
+        self.loss = loss
+        self.optimizer = optimizer
+        self.learning_rate = learning_rate
+        self.batch_size = batch_size
+        self.max_iter = max_iter
+        self.shuffle = shuffle
+        self.random_state = random_state
+        self.trainable = trainable
+        self.optimizer_params = optimizer_params
+        self.penalty = penalty
+        self.output_index = output_index
+        self.session_options = session_options
+        self._onnx = None
+        self._runners: dict[bool, _PingPong] = {}
+        self._active: _PingPong | None = None
+        self._predictor = None
+
+    # -- public API ---------------------------------------------------------
+
+    def fit(self, X, y, sample_weight=None) -> OrtFullGraphTrainer:
+        """Train ``max_iter`` epochs on ``X``, ``y``, continuing from the current state.
+
+        Parameters
+        ----------
+        X : array-like of shape (N, ...)
+            Inputs, cast to the model input's element type.
+        y : array-like
+            Targets, shaped like the prediction (``(N,)`` is accepted for a
+            ``(N, 1)`` prediction and the other way round).
+        sample_weight : array-like of shape (N,), optional
+            Per-row weights of the loss.
+
+        Returns
+        -------
+        OrtFullGraphTrainer
+            self.
+
+        Raises
+        ------
+        TrainingDivergedError
+            The loss became NaN or infinite.
+        """
+        self._prepare()
+        X, y, sample_weight = self._check_data(X, y, sample_weight)
+        runner = self._runner(weighted=sample_weight is not None)
+        if self._rng is None:
+            self._rng = np.random.default_rng(self.random_state)
+        runner.learning_rate.update_inplace(np.array(self.learning_rate, dtype=self._dtype))
+        columns = [X, y] + ([sample_weight] if sample_weight is not None else [])
+        n, batch = len(X), int(self.batch_size)
+        if batch < 1:
+            raise OnnxInputError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        for _ in range(int(self.max_iter)):
+            epoch = columns
+            if self.shuffle:
+                order = self._rng.permutation(n)
+                epoch = [np.ascontiguousarray(c[order]) for c in columns]
+            total = 0.0
+            for start in range(0, n, batch):
+                value = runner.step([c[start : start + batch] for c in epoch])
+                if not math.isfinite(value):
+                    raise TrainingDivergedError(
+                        f"the training loss is {value} at epoch {self.n_iter_ + 1}, step "
+                        f"{self.n_steps_ + 1}: lower learning_rate (now {self.learning_rate})"
+                    )
+                self.n_steps_ += 1
+                total += value * min(batch, n - start)
+            self.train_losses_.append(total / n)
+            self.n_iter_ += 1
+        return self
+
+    def predict(self, X) -> np.ndarray:
+        """The model's prediction on ``X`` with the trained weights.
+
+        Parameters
+        ----------
+        X : array-like of shape (N, ...)
+
+        Returns
+        -------
+        numpy.ndarray
+            Output ``output_index`` of the model.
+        """
+        runner = self._fitted_runner("predict")
+        X = self._check_inputs(X)
+        ort = _ort.onnxruntime()
+        C = ort.capi._pybind_state
+        if self._predictor is None:
+            predicting = weights_as_inputs(load_model(self._onnx), self._trainable)
+            pin_ir_version(predicting)
+            so = self.session_options or _session_options()
+            self._predictor = ort.InferenceSession(
+                predicting.SerializeToString(), so, providers=["CPUExecutionProvider"]
+            )
+        binding = C.SessionIOBinding(self._predictor._sess)
+        for name in self._trainable:
+            binding.bind_ortvalue_input(name, runner.sets[runner.current][name])
+        binding.bind_input(self._input_name, runner.device, X.dtype, X.shape, X.ctypes.data)
+        output = self._predictor.get_outputs()[self.output_index].name
+        binding.bind_output(output, runner.device)
+        try:
+            self._predictor._sess.run_with_iobinding(binding, runner.run_options)
+        except Exception as exc:
+            raise OnnxModelError(
+                f"onnxruntime failed to predict on input {self._input_name!r} of shape "
+                f"{X.shape}: {exc}"
+            ) from exc
+        return binding.get_outputs()[0].numpy()
+
+    def to_onnx(self) -> onnx.ModelProto:
+        """The predicting model with the trained weights as initializers.
+
+        Returns
+        -------
+        onnx.ModelProto
+            The input model (normalised) with new initializer values; IR
+            version at most 10.
+        """
+        weights = self.get_weights()
+        return pin_ir_version(with_weights(self._onnx, weights))
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """Copies of the trained weights, name -> array."""
+        runner = self._fitted_runner("get_weights")
+        state = runner.read_state()
+        return {name: state[name] for name in self._trainable}
+
+    def save_checkpoint(self, path) -> None:
+        """Write the weights, optimizer state, step count and shuffling state to ``path``.
+
+        The file is a numpy ``.npz`` archive; :meth:`load_checkpoint` in a
+        trainer built with the same model and options continues the same
+        trajectory.
+        """
+        runner = self._fitted_runner("save_checkpoint")
+        state = runner.read_state()
+        meta = {
+            "format": _CHECKPOINT_FORMAT,
+            "version": 1,
+            "optimizer": self.optimizer,
+            "loss": self.loss,
+            "slots": [s.input for s in runner.training.slots],
+            "train_losses": self.train_losses_,
+            "n_iter": self.n_iter_,
+            "n_steps": self.n_steps_,
+            "rng": self._rng.bit_generator.state if self._rng is not None else None,
+        }
+        arrays = {f"state_{k}": state[s.input] for k, s in enumerate(runner.training.slots)}
+        with open(os.fspath(path), "wb") as f:
+            np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+
+    def load_checkpoint(self, path) -> OrtFullGraphTrainer:
+        """Restore what :meth:`save_checkpoint` wrote; the next ``fit`` continues from it."""
+        path = os.fspath(path)
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                meta = json.loads(str(data["meta"]))
+                arrays = {k: data[k] for k in data.files if k != "meta"}
+        except (OSError, ValueError, KeyError) as exc:
+            raise OnnxInputError(f"{path!r} is not a trainer checkpoint: {exc}") from exc
+        if meta.get("format") != _CHECKPOINT_FORMAT:
+            raise OnnxInputError(f"{path!r} is not an OrtFullGraphTrainer checkpoint")
+        self._prepare()
+        runner = self._active or self._runner(weighted=False)
+        expected = [s.input for s in runner.training.slots]
+        if meta["slots"] != expected or meta["optimizer"] != self.optimizer:
+            raise OnnxInputError(
+                f"checkpoint {path!r} holds optimizer {meta['optimizer']!r} state "
+                f"{meta['slots']}, this trainer needs optimizer {self.optimizer!r} state "
+                f"{expected}: build the trainer with the options of the saved one"
+            )
+        runner.write_state({name: arrays[f"state_{k}"] for k, name in enumerate(expected)})
+        self.train_losses_ = list(meta["train_losses"])
+        self.n_iter_, self.n_steps_ = meta["n_iter"], meta["n_steps"]
+        self._rng = None
+        if meta["rng"] is not None:
+            self._rng = np.random.default_rng()
+            self._rng.bit_generator.state = meta["rng"]
+        self._fitted = True
+        return self
+
+    def reset(self) -> OrtFullGraphTrainer:
+        """Forget the training: the next ``fit`` starts from the model's initializers."""
+        self._onnx = None
+        self._runners.clear()
+        self._active = None
+        self._predictor = None
+        return self
+
+    # -- machinery ----------------------------------------------------------
+
+    def _prepare(self) -> None:
+        """Load and check the model once; set the initial state."""
+        if self._onnx is not None:
+            return
+        model = normalize(load_model(self.model))
+        floats = {
+            init.name: init for init in model.graph.initializer if init.data_type in FLOAT_TYPES
+        }
+        trainable = list(floats) if self.trainable is None else list(self.trainable)
+        unknown = [name for name in trainable if name not in floats]
+        if unknown or not trainable:
+            raise OnnxInputError(
+                f"trainable={self.trainable!r}: {unknown or 'nothing'} is not a floating-point "
+                f"initializer of the model; expected some of {list(floats)}"
+            )
+        types = {floats[name].data_type for name in trainable}
+        inits = {init.name for init in model.graph.initializer}
+        inputs = [i for i in model.graph.input if i.name not in inits]
+        if len(inputs) != 1:
+            raise OnnxModelError(
+                f"OrtFullGraphTrainer trains models with one input, this one has "
+                f"{[i.name for i in inputs]}"
+            )
+        if len(types) != 1 or not types <= {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}:
+            names = [onnx.TensorProto.DataType.Name(t) for t in sorted(types)]
+            raise OnnxModelError(
+                f"OrtFullGraphTrainer trains float32 or float64 weights of one type, the "
+                f"trainable initializers are {names}"
+            )
+        self._options = optimizer_options(self.optimizer, self.optimizer_params)
+        self._onnx = model
+        self._trainable = trainable
+        self._input_name = inputs[0].name
+        self._input_dtype = np_dtype(inputs[0].type.tensor_type.elem_type)
+        self._dtype = np_dtype(types.pop())
+        self._initial = {name: onnx.numpy_helper.to_array(floats[name]) for name in trainable}
+        self._rng = None
+        self._fitted = False
+        self.train_losses_: list[float] = []
+        self.n_iter_ = 0
+        self.n_steps_ = 0
+
+    def _runner(self, weighted: bool) -> _PingPong:
+        """The runner of the graph variant with or without sample weights.
+
+        Switching variants copies the state once from the other variant.
+        """
+        runner = self._runners.get(weighted)
+        if runner is None:
+            training = build_training_graph(
+                self._onnx,
+                self._trainable,
+                loss=self.loss,
+                optimizer=self.optimizer,
+                options=self._options,
+                weighted=weighted,
+                output_index=self.output_index,
+                penalty=self.penalty,
+                session_options=self.session_options,
+            )
+            if self._active is not None:
+                initial = self._active.read_state()
+            else:
+                initial = {
+                    s.input: self._initial[s.input] if s.kind == "weight" else np.zeros(s.shape)
+                    for s in training.slots
+                }
+            runner = _PingPong(training, initial, self.session_options)
+            self._runners[weighted] = runner
+        elif self._active is not None and self._active is not runner:
+            runner.write_state(self._active.read_state())
+        self._active = runner
+        self._fitted = True
+        return runner
+
+    def _fitted_runner(self, what: str) -> _PingPong:
+        if self._onnx is None or not self._fitted or self._active is None:
+            raise NotFittedError(
+                f"this OrtFullGraphTrainer is not fitted: call fit or load_checkpoint before {what}"
+            )
+        return self._active
+
+    def _check_inputs(self, X) -> np.ndarray:
+        X = np.ascontiguousarray(X, dtype=self._input_dtype)
+        if X.ndim == 0:
+            raise OnnxInputError(f"input {self._input_name!r}: expected a batch, got a scalar")
+        return X
+
+    def _check_data(self, X, y, sample_weight):
+        X = self._check_inputs(X)
+        n = len(X)
+        output = self._onnx.graph.output[self.output_index]
+        rank = len(output.type.tensor_type.shape.dim)
+        y = np.asarray(y, dtype=self._dtype)
+        if y.ndim == rank - 1 and rank == 2:
+            y = y.reshape(-1, 1)
+        elif y.ndim == rank + 1 and y.ndim == 2 and y.shape[1] == 1:
+            y = y.reshape(-1)
+        if len(y) != n or (rank and y.ndim != rank):
+            raise OnnxInputError(
+                f"y: expected {n} rows shaped like output {output.name!r} (rank {rank}), "
+                f"got shape {y.shape}"
+            )
+        y = np.ascontiguousarray(y)
+        if sample_weight is not None:
+            sample_weight = np.asarray(sample_weight, dtype=self._dtype)
+            if sample_weight.size != n or sample_weight.ndim > 2:
+                raise OnnxInputError(
+                    f"sample_weight: expected shape ({n},), got {sample_weight.shape}"
+                )
+            # (N, 1) weights become (N,): multiplied with the (N,) per-row losses.
+            sample_weight = np.ascontiguousarray(sample_weight.reshape(n))
+        return X, y, sample_weight

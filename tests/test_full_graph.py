@@ -1,0 +1,387 @@
+"""OrtFullGraphTrainer against torch's optimizers on the same model and batches."""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import torch
+from onnx import numpy_helper
+
+import ortbridge.training._full_graph as full_graph
+import ortbridge.training._update_graph as update_graph
+from ortbridge._examples import linear_model
+from ortbridge.exceptions import (
+    NotFittedError,
+    OnnxInputError,
+    OnnxModelError,
+    TrainingDivergedError,
+)
+from ortbridge.training import OrtFullGraphTrainer
+
+N_IN, N_OUT, N_ROWS, BATCH = 4, 2, 50, 10  # 5 steps an epoch, 20 steps in 4 epochs
+
+
+def _torch_mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(N_IN, 8), torch.nn.Tanh(), torch.nn.Linear(8, N_OUT))
+
+
+@pytest.fixture(scope="module")
+def exported():
+    """A torch MLP and its ONNX export (optimize=False keeps every initializer)."""
+    module = _torch_mlp().eval()
+    batch = torch.export.Dim("batch")
+    program = torch.onnx.export(
+        module,
+        (torch.randn(3, N_IN),),
+        dynamo=True,
+        optimize=False,
+        dynamic_shapes=({0: batch},),
+        verbose=False,
+    )
+    return module, program.model_proto
+
+
+@pytest.fixture
+def data():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((N_ROWS, N_IN)).astype(np.float32)
+    y = rng.standard_normal((N_ROWS, N_OUT)).astype(np.float32)
+    return X, y
+
+
+def _torch_reference(module, X, y, make_optimizer, loss_fn, epochs, sample_weight=None):
+    """Train a copy of ``module`` on the batches the trainer sees with shuffle=False."""
+    module = _torch_mlp() if module is None else module
+    optimizer = make_optimizer(module.parameters())
+    for _ in range(epochs):
+        for start in range(0, len(X), BATCH):
+            xb = torch.from_numpy(X[start : start + BATCH])
+            yb = torch.from_numpy(y[start : start + BATCH])
+            per_element = loss_fn(module(xb), yb)
+            per_row = per_element.reshape(len(xb), -1).mean(dim=1)
+            if sample_weight is not None:
+                per_row = per_row * torch.from_numpy(sample_weight[start : start + BATCH])
+            optimizer.zero_grad()
+            per_row.mean().backward()
+            optimizer.step()
+    return {k: v.detach().numpy() for k, v in module.state_dict().items()}
+
+
+def _fresh_copy(module):
+    copy = _torch_mlp()
+    copy.load_state_dict(module.state_dict())
+    return copy
+
+
+def _max_diff(weights, expected):
+    assert set(weights) == set(expected)
+    return max(float(np.abs(weights[k] - expected[k]).max()) for k in weights)
+
+
+def _mse(p, y):
+    return (p - y) ** 2
+
+
+def _l1(p, y):
+    return (p - y).abs()
+
+
+def _elastic(p, y):
+    return 0.5 * (p - y).abs() + 0.5 * (p - y) ** 2
+
+
+OPTIMIZERS = [
+    pytest.param("adamw", 1e-2, None, lambda p: torch.optim.AdamW(p, lr=1e-2), id="adamw"),
+    pytest.param("sgd", 0.1, None, lambda p: torch.optim.SGD(p, lr=0.1), id="sgd"),
+    pytest.param(
+        "adamw",
+        3e-2,
+        {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+        lambda p: torch.optim.AdamW(p, lr=3e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+        id="adamw-options",
+    ),
+    pytest.param(
+        "sgd",
+        0.05,
+        {"momentum": 0.9, "weight_decay": 0.01},
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01),
+        id="sgd-momentum",
+    ),
+    pytest.param(
+        "sgd",
+        0.05,
+        {"momentum": 0.9, "nesterov": True},
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+        id="sgd-nesterov",
+    ),
+]
+
+
+@pytest.mark.parametrize("optimizer, lr, params, make_torch", OPTIMIZERS)
+def test_20_steps_match_torch_optimizer(exported, data, optimizer, lr, params, make_torch):
+    module, model = exported
+    X, y = data
+    trainer = OrtFullGraphTrainer(
+        model,
+        optimizer=optimizer,
+        learning_rate=lr,
+        optimizer_params=params,
+        batch_size=BATCH,
+        max_iter=4,
+        shuffle=False,
+    ).fit(X, y)
+    assert trainer.n_steps_ == 20
+    expected = _torch_reference(_fresh_copy(module), X, y, make_torch, _mse, epochs=4)
+    before = {k: v.detach().numpy() for k, v in module.state_dict().items()}
+    assert _max_diff(before, expected) > 1e-2  # the weights did move
+    assert _max_diff(trainer.get_weights(), expected) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "loss, loss_fn",
+    [("absolute_error", _l1), ("elastic", _elastic), ("squared_error", _mse)],
+    ids=["absolute_error", "elastic", "squared_error"],
+)
+def test_losses_and_sample_weights_match_torch(exported, data, loss, loss_fn):
+    module, model = exported
+    X, y = data
+    sw = np.random.default_rng(5).uniform(0.2, 3.0, N_ROWS).astype(np.float32)
+    trainer = OrtFullGraphTrainer(
+        model, loss=loss, optimizer="sgd", learning_rate=0.1, batch_size=BATCH, max_iter=4
+    )
+    trainer.shuffle = False
+    trainer.fit(X, y, sample_weight=sw)
+
+    def make(p):
+        return torch.optim.SGD(p, lr=0.1)
+
+    expected = _torch_reference(_fresh_copy(module), X, y, make, loss_fn, 4, sample_weight=sw)
+    assert _max_diff(trainer.get_weights(), expected) <= 1e-5
+
+
+def test_log_loss_from_zero_weights_matches_bce_with_logits():
+    """Scores are exactly 0 at the first step: the gradient must be sigmoid(0) - y."""
+    model = linear_model(N_IN, 1)
+    for init in model.graph.initializer:
+        init.CopyFrom(
+            numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(init)), init.name)
+        )
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((N_ROWS, N_IN)).astype(np.float32)
+    y = (X[:, 0] - X[:, 1] > 0).astype(np.float32)  # shape (N,): reshaped to (N, 1)
+    trainer = OrtFullGraphTrainer(
+        model,
+        loss="log_loss",
+        optimizer="sgd",
+        learning_rate=0.5,
+        batch_size=BATCH,
+        max_iter=4,
+        shuffle=False,
+    ).fit(X, y)
+    linear = torch.nn.Linear(N_IN, 1)
+    torch.nn.init.zeros_(linear.weight)
+    torch.nn.init.zeros_(linear.bias)
+    optimizer = torch.optim.SGD(linear.parameters(), lr=0.5)
+    bce = torch.nn.BCEWithLogitsLoss()
+    for _ in range(4):
+        for start in range(0, N_ROWS, BATCH):
+            xb = torch.from_numpy(X[start : start + BATCH])
+            yb = torch.from_numpy(y[start : start + BATCH, None])
+            optimizer.zero_grad()
+            bce(linear(xb), yb).backward()
+            optimizer.step()
+    expected = {"weight": linear.weight.detach().numpy(), "bias": linear.bias.detach().numpy()}
+    assert _max_diff(trainer.get_weights(), expected) <= 1e-5
+    assert trainer.train_losses_[0] < np.log(2) and trainer.train_losses_[-1] < 0.4
+
+
+def test_one_onnxruntime_call_per_step_and_no_copies(exported, data):
+    _, model = exported
+    X, y = data
+    trainer = OrtFullGraphTrainer(model, batch_size=BATCH, max_iter=1, shuffle=False)
+    trainer.fit(X, y)  # builds the graph and session
+    runner = trainer._active
+    calls = []
+    real_run = runner.run
+
+    def counting_run(binding, run_options):
+        calls.append(binding)
+        return real_run(binding, run_options)
+
+    runner.run = counting_run
+    addresses = [{k: v.data_ptr() for k, v in s.items()} for s in runner.sets]
+    loss_address = runner.loss.data_ptr()
+    trainer.max_iter = 3
+    trainer.fit(X, y)
+    assert len(calls) == 15 == trainer.n_steps_ - 5  # one call per step, nothing else
+    # The two bindings alternate: each step reads one state set and writes the other.
+    assert all(call is runner.bindings[(k + 1) % 2] for k, call in enumerate(calls))
+    # Every step wrote its outputs into the buffers bound at build time.
+    assert [{k: v.data_ptr() for k, v in s.items()} for s in runner.sets] == addresses
+    assert runner.loss.data_ptr() == loss_address
+    # No gradient accumulation buffer, no tensor sequence to pack the weights in.
+    ops = {n.op_type for n in runner.training.model.graph.node}
+    assert not ops & {"InPlaceAccumulatorV2", "SequenceConstruct", "SequenceAt", "Copy"}
+
+
+def test_predict_and_to_onnx_agree(exported, data):
+    _, model = exported
+    X, y = data
+    trainer = OrtFullGraphTrainer(model, learning_rate=1e-2, max_iter=3, random_state=0)
+    trainer.fit(X, y)
+    prediction = trainer.predict(X)
+    exported_model = trainer.to_onnx()
+    assert exported_model.ir_version <= 10
+    assert [i.name for i in exported_model.graph.input] == [i.name for i in model.graph.input]
+    session = onnxruntime.InferenceSession(
+        exported_model.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    (from_file,) = session.run(None, {model.graph.input[0].name: X})
+    np.testing.assert_allclose(prediction, from_file, rtol=1e-6, atol=1e-6)
+    weights = trainer.get_weights()
+    for init in exported_model.graph.initializer:
+        np.testing.assert_array_equal(numpy_helper.to_array(init), weights[init.name])
+    # and it predicts better than the untrained model
+    untrained = onnxruntime.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"]
+    ).run(None, {model.graph.input[0].name: X})[0]
+    assert ((prediction - y) ** 2).mean() < ((untrained - y) ** 2).mean()
+
+
+def test_checkpoint_continues_the_same_trajectory(exported, data, tmp_path):
+    _, model = exported
+    X, y = data
+    options = dict(learning_rate=1e-2, batch_size=BATCH, random_state=3, shuffle=True)
+    straight = OrtFullGraphTrainer(model, max_iter=4, **options).fit(X, y)
+
+    first = OrtFullGraphTrainer(model, max_iter=2, **options).fit(X, y)
+    path = tmp_path / "trainer.ckpt"
+    first.save_checkpoint(path)
+    resumed = OrtFullGraphTrainer(model, max_iter=2, **options).load_checkpoint(path)
+    np.testing.assert_array_equal(resumed.predict(X), first.predict(X))
+    resumed.fit(X, y)
+    assert resumed.train_losses_ == straight.train_losses_
+    assert resumed.n_steps_ == straight.n_steps_ == 20
+    assert _max_diff(resumed.get_weights(), straight.get_weights()) == 0.0
+    # the optimizer state was restored too: one more epoch each stays identical
+    resumed.max_iter = straight.max_iter = 1
+    assert resumed.fit(X, y).train_losses_ == straight.fit(X, y).train_losses_
+
+
+def test_checkpoint_of_another_optimizer_is_refused(exported, data, tmp_path):
+    _, model = exported
+    X, y = data
+    path = tmp_path / "sgd.ckpt"
+    OrtFullGraphTrainer(model, optimizer="sgd", max_iter=1).fit(X, y).save_checkpoint(path)
+    with pytest.raises(
+        OnnxInputError, match="holds optimizer 'sgd' state.*needs optimizer 'adamw'"
+    ):
+        OrtFullGraphTrainer(model).load_checkpoint(path)
+    (tmp_path / "junk").write_bytes(b"not a checkpoint")
+    with pytest.raises(OnnxInputError, match="is not a trainer checkpoint"):
+        OrtFullGraphTrainer(model).load_checkpoint(tmp_path / "junk")
+
+
+def test_graphs_load_whatever_ir_version_the_model_has(data):
+    """A model written by a newer onnx (IR 13) still trains in onnxruntime 1.19.2."""
+    X, _ = data
+    model = linear_model(N_IN, 1)
+    model.ir_version = 13
+    for opset in model.opset_import:
+        opset.version = 21
+    with pytest.raises(Exception, match="(?i)ir.?version|unsupported model"):
+        onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    trainer = OrtFullGraphTrainer(model, optimizer="sgd", learning_rate=0.1, max_iter=2)
+    trainer.fit(X, X[:, :1] * 2.0)
+    training = trainer._active.training.model
+    assert training.ir_version <= 10
+    assert {o.domain or "ai.onnx": o.version for o in training.opset_import}["ai.onnx"] == 21
+    assert trainer.to_onnx().ir_version <= 10
+    onnx.checker.check_model(trainer.to_onnx())
+    assert trainer.predict(X).shape == (N_ROWS, 1)
+
+
+def test_float64_model_trains():
+    model = linear_model(N_IN, 1)
+    graph = model.graph
+    for init in graph.initializer:
+        init.CopyFrom(
+            numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float64), init.name)
+        )
+    for value in list(graph.input) + list(graph.output):
+        value.type.tensor_type.elem_type = onnx.TensorProto.DOUBLE
+    X = np.random.default_rng(0).standard_normal((40, N_IN))
+    y = X @ np.arange(1.0, N_IN + 1)
+    trainer = OrtFullGraphTrainer(model, optimizer="sgd", learning_rate=0.1, max_iter=30)
+    trainer.fit(X, y)
+    assert trainer.predict(X).dtype == np.float64
+    assert trainer.train_losses_[-1] < 1e-6
+
+
+def test_frozen_initializers_stay_put(exported, data):
+    module, model = exported
+    X, y = data
+    trainer = OrtFullGraphTrainer(model, trainable=["2.weight", "2.bias"], max_iter=2)
+    trainer.fit(X, y)
+    assert set(trainer.get_weights()) == {"2.weight", "2.bias"}
+    frozen = {i.name: numpy_helper.to_array(i) for i in trainer.to_onnx().graph.initializer}
+    np.testing.assert_array_equal(frozen["0.weight"], module.state_dict()["0.weight"].numpy())
+    assert not np.array_equal(frozen["2.weight"], module.state_dict()["2.weight"].numpy())
+
+
+def test_switching_to_sample_weights_keeps_the_state(exported, data):
+    _, model = exported
+    X, y = data
+    options = dict(optimizer="sgd", learning_rate=0.1, batch_size=BATCH, shuffle=False)
+    one_call = OrtFullGraphTrainer(model, max_iter=2, **options)
+    one_call.fit(X, y, sample_weight=np.ones(N_ROWS))
+    two_calls = OrtFullGraphTrainer(model, max_iter=1, **options)
+    two_calls.fit(X, y).fit(X, y, sample_weight=np.ones((N_ROWS, 1)))
+    assert _max_diff(two_calls.get_weights(), one_call.get_weights()) <= 1e-6
+    assert two_calls.reset().fit(X, y).n_steps_ == 5
+
+
+def test_shuffling_is_seeded(exported, data):
+    _, model = exported
+    X, y = data
+    a = OrtFullGraphTrainer(model, max_iter=2, random_state=7).fit(X, y).train_losses_
+    b = OrtFullGraphTrainer(model, max_iter=2, random_state=7).fit(X, y).train_losses_
+    c = OrtFullGraphTrainer(model, max_iter=2, random_state=8).fit(X, y).train_losses_
+    assert a == b != c
+
+
+def test_errors_say_what_was_expected(exported, data):
+    _, model = exported
+    X, y = data
+    with pytest.raises(NotFittedError, match="call fit or load_checkpoint before predict"):
+        OrtFullGraphTrainer(model).predict(X)
+    with pytest.raises(OnnxInputError, match=r"optimizer='adam' is not supported.*'adamw', 'sgd'"):
+        OrtFullGraphTrainer(model, optimizer="adam").fit(X, y)
+    with pytest.raises(OnnxInputError, match=r"optimizer_params \['lr'\] are not options"):
+        OrtFullGraphTrainer(model, optimizer_params={"lr": 1}).fit(X, y)
+    with pytest.raises(
+        OnnxInputError, match=r"\['fc.weight'\] is not a floating-point initializer"
+    ):
+        OrtFullGraphTrainer(model, trainable=["fc.weight"]).fit(X, y)
+    with pytest.raises(OnnxInputError, match=r"y: expected 50 rows.*got shape \(49, 2\)"):
+        OrtFullGraphTrainer(model).fit(X, y[:49])
+    with pytest.raises(
+        OnnxInputError, match=r"sample_weight: expected shape \(50,\), got \(50, 2\)"
+    ):
+        OrtFullGraphTrainer(model).fit(X, y, sample_weight=np.ones((N_ROWS, 2)))
+    with pytest.raises(OnnxModelError, match="failed to run a training step.*shapes"):
+        OrtFullGraphTrainer(model).fit(X[:, :3], y)
+    with pytest.raises(TrainingDivergedError, match="training loss is (nan|inf).*learning_rate"):
+        OrtFullGraphTrainer(model, optimizer="sgd", learning_rate=1e6, max_iter=5).fit(X, y * 1e3)
+
+
+def test_docstring_examples():
+    for module in (full_graph, update_graph):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0
+    assert doctest.testmod(full_graph).attempted > 0
