@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import doctest
+import pickle
 
 import numpy as np
 import onnx
@@ -385,3 +387,17 @@ def test_docstring_examples():
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0
     assert doctest.testmod(full_graph).attempted > 0
+
+
+def test_pickle_and_deepcopy_keep_the_training_state(exported, data):
+    _, model = exported
+    X, y = data
+    options = dict(learning_rate=1e-2, batch_size=BATCH, random_state=1, max_iter=1)
+    trainer = OrtFullGraphTrainer(model, **options).fit(X, y)
+    clone = pickle.loads(pickle.dumps(trainer))
+    twin = copy.deepcopy(trainer)
+    np.testing.assert_array_equal(clone.predict(X), trainer.predict(X))
+    losses = trainer.fit(X, y).train_losses_
+    assert clone.fit(X, y).train_losses_ == losses == twin.fit(X, y).train_losses_
+    unfitted = pickle.loads(pickle.dumps(OrtFullGraphTrainer(model, max_iter=3)))
+    assert unfitted.max_iter == 3 and not hasattr(unfitted, "train_losses_")

@@ -432,29 +432,32 @@ class OrtFullGraphTrainer:
     def save_checkpoint(self, path) -> None:
         """Write the weights, optimizer state, step count and shuffling state to ``path``.
 
-        The file is a numpy ``.npz`` archive; :meth:`load_checkpoint` in a
-        trainer built with the same model and options continues the same
+        The file is a numpy ``.npz`` archive (no pickle); :meth:`load_checkpoint`
+        in a trainer built with the same model and options continues the same
         trajectory.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            Where to write, the name as given (no suffix is added).
         """
-        runner = self._fitted_runner("save_checkpoint")
-        state = runner.read_state()
-        meta = {
-            "format": _CHECKPOINT_FORMAT,
-            "version": 1,
-            "optimizer": self.optimizer,
-            "loss": self.loss,
-            "slots": [s.input for s in runner.training.slots],
-            "train_losses": self.train_losses_,
-            "n_iter": self.n_iter_,
-            "n_steps": self.n_steps_,
-            "rng": self._rng.bit_generator.state if self._rng is not None else None,
-        }
-        arrays = {f"state_{k}": state[s.input] for k, s in enumerate(runner.training.slots)}
+        meta, arrays = self._snapshot("save_checkpoint")
         with open(os.fspath(path), "wb") as f:
             np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
 
     def load_checkpoint(self, path) -> OrtFullGraphTrainer:
-        """Restore what :meth:`save_checkpoint` wrote; the next ``fit`` continues from it."""
+        """Restore what :meth:`save_checkpoint` wrote; the next ``fit`` continues from it.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            A file written by :meth:`save_checkpoint`.
+
+        Returns
+        -------
+        OrtFullGraphTrainer
+            self.
+        """
         path = os.fspath(path)
         try:
             with np.load(path, allow_pickle=False) as data:
@@ -464,24 +467,23 @@ class OrtFullGraphTrainer:
             raise OnnxInputError(f"{path!r} is not a trainer checkpoint: {exc}") from exc
         if meta.get("format") != _CHECKPOINT_FORMAT:
             raise OnnxInputError(f"{path!r} is not an OrtFullGraphTrainer checkpoint")
-        self._prepare()
-        runner = self._active or self._runner(weighted=False)
-        expected = [s.input for s in runner.training.slots]
-        if meta["slots"] != expected or meta["optimizer"] != self.optimizer:
-            raise OnnxInputError(
-                f"checkpoint {path!r} holds optimizer {meta['optimizer']!r} state "
-                f"{meta['slots']}, this trainer needs optimizer {self.optimizer!r} state "
-                f"{expected}: build the trainer with the options of the saved one"
-            )
-        runner.write_state({name: arrays[f"state_{k}"] for k, name in enumerate(expected)})
-        self.train_losses_ = list(meta["train_losses"])
-        self.n_iter_, self.n_steps_ = meta["n_iter"], meta["n_steps"]
-        self._rng = None
-        if meta["rng"] is not None:
-            self._rng = np.random.default_rng()
-            self._rng.bit_generator.state = meta["rng"]
-        self._fitted = True
-        return self
+        return self._restore(meta, arrays, f"checkpoint {path!r}")
+
+    def __getstate__(self):
+        # onnxruntime sessions do not pickle: keep the parameters and the
+        # training state, the sessions are rebuilt on first use.
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        for name in ("train_losses_", "n_iter_", "n_steps_"):
+            state.pop(name, None)
+        fitted = self._onnx is not None and self._fitted and self._active is not None
+        state["_snapshot"] = self._snapshot("pickle") if fitted else None
+        return state
+
+    def __setstate__(self, state):
+        snapshot = state.pop("_snapshot")
+        self.__init__(**state)
+        if snapshot is not None:
+            self._restore(*snapshot, "the pickled trainer")
 
     def reset(self) -> OrtFullGraphTrainer:
         """Forget the training: the next ``fit`` starts from the model's initializers."""
@@ -567,6 +569,44 @@ class OrtFullGraphTrainer:
         self._active = runner
         self._fitted = True
         return runner
+
+    def _snapshot(self, what: str) -> tuple[dict, dict]:
+        """The training state: JSON-able metadata and the state arrays."""
+        runner = self._fitted_runner(what)
+        state = runner.read_state()
+        meta = {
+            "format": _CHECKPOINT_FORMAT,
+            "version": 1,
+            "optimizer": self.optimizer,
+            "loss": self.loss,
+            "slots": [s.input for s in runner.training.slots],
+            "train_losses": self.train_losses_,
+            "n_iter": self.n_iter_,
+            "n_steps": self.n_steps_,
+            "rng": self._rng.bit_generator.state if self._rng is not None else None,
+        }
+        arrays = {f"state_{k}": state[s.input] for k, s in enumerate(runner.training.slots)}
+        return meta, arrays
+
+    def _restore(self, meta: dict, arrays: dict, where: str) -> OrtFullGraphTrainer:
+        self._prepare()
+        runner = self._active or self._runner(weighted=False)
+        expected = [s.input for s in runner.training.slots]
+        if meta["slots"] != expected or meta["optimizer"] != self.optimizer:
+            raise OnnxInputError(
+                f"{where} holds optimizer {meta['optimizer']!r} state {meta['slots']}, "
+                f"this trainer needs optimizer {self.optimizer!r} state {expected}: build "
+                "the trainer with the options of the saved one"
+            )
+        runner.write_state({name: arrays[f"state_{k}"] for k, name in enumerate(expected)})
+        self.train_losses_ = list(meta["train_losses"])
+        self.n_iter_, self.n_steps_ = meta["n_iter"], meta["n_steps"]
+        self._rng = None
+        if meta["rng"] is not None:
+            self._rng = np.random.default_rng()
+            self._rng.bit_generator.state = meta["rng"]
+        self._fitted = True
+        return self
 
     def _fitted_runner(self, what: str) -> _PingPong:
         if self._onnx is None or not self._fitted or self._active is None:
