@@ -1,0 +1,516 @@
+"""Stochastic gradient descent run by onnxruntime, every parameter in one call.
+
+:class:`OrtSGD` is a :class:`torch.optim.Optimizer` whose ``step()`` builds
+(once per layout of the parameters, then cached) one ONNX graph that takes
+every parameter, gradient and velocity and computes the new ones, and runs it
+with an IOBinding whose inputs and outputs are the tensors' own memory
+(DLPack): onnxruntime writes the new values in place, no tensor is copied and
+no parameter changes address.
+
+Both conventions of the project are one family of graphs with different
+scalar inputs. With ``g`` the gradient, a group's update is::
+
+    g' = a g + d w + e sign(w)
+    v  = mu v + c g'                       (with momentum)
+    w  = w + s v            or, Nesterov:  w = w + s (mu v + c g')
+    w  = w + s c g'                        (without momentum)
+
+:class:`OrtSGD` follows :class:`torch.optim.SGD` (``a = c = 1``,
+``d = weight_decay``, ``e = 0``, ``s = -lr``); :class:`SklearnSGD` follows
+scikit-learn's ``MLPRegressor`` (``a = 1 / batch``, ``d`` and ``e`` the
+elastic penalty divided by the batch, ``c = -lr``, ``s = 1``). The scalars are
+fed as graph inputs: changing a group's ``lr`` (an LR scheduler) or the batch
+size never rebuilds the graph.
+
+Writing an output into the memory of an input is safe here because every node
+reading a parameter (or a velocity) is an ancestor of the node writing its new
+value, and onnxruntime runs the nodes of a graph one after the other in
+topological order; the tests check values and addresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from onnx import TensorProto, helper
+from torch.utils.dlpack import to_dlpack
+
+from .._onnx_utils import make_model
+from .._ort import capi, onnxruntime
+from ..exceptions import OnnxInputError, OnnxTypeError
+
+_ELEM = {torch.float32: TensorProto.FLOAT, torch.float64: TensorProto.DOUBLE}
+
+
+@dataclass(frozen=True)
+class _Flags:
+    """What the update of a group computes (part of the graph's cache key)."""
+
+    velocity: bool
+    nesterov: bool
+    l2: bool
+    l1: bool
+
+    def scalar_names(self) -> tuple[str, ...]:
+        if self.velocity:
+            names = ["mu", "ca"]
+            names += ["cd"] if self.l2 else []
+            names += ["ce"] if self.l1 else []
+            return (*names, "s")
+        if self.l2 or self.l1:
+            names = ["a"]
+            names += ["d"] if self.l2 else []
+            names += ["e"] if self.l1 else []
+            return (*names, "sc")
+        return ("ka",)
+
+    def scalar_values(self, a, d, e, c, s, mu) -> list[float]:
+        """The scalars the graph multiplies by, from the coefficients of the rule."""
+        values = {"mu": mu, "ca": c * a, "cd": c * d, "ce": c * e, "s": s,
+                  "a": a, "d": d, "e": e, "sc": s * c, "ka": s * c * a}  # fmt: skip
+        return [values[name] for name in self.scalar_names()]
+
+
+def _update_nodes(i, k, flags):
+    """Nodes updating parameter ``i`` with the scalars of set ``k``.
+
+    The operations are torch.optim.SGD's, in its order, so that float32
+    results round the same way.
+    """
+    w, g, v = f"w{i}", f"g{i}", f"v{i}"
+
+    def sc(name):
+        return f"k{k}_{name}"
+
+    def t(name):
+        return f"t{i}_{name}"
+
+    nodes = []
+    add = nodes.append
+    make = helper.make_node
+    if not (flags.velocity or flags.l2 or flags.l1):
+        add(make("Mul", [sc("ka"), g], [t("step")]))
+        add(make("Add", [w, t("step")], [f"w{i}_new"]))
+        return nodes
+    # The gradient with its penalty terms, times c when there is a velocity.
+    pre = "c" if flags.velocity else ""
+    add(make("Mul", [sc(f"{pre}a"), g], [t("ga")]))
+    terms = [t("ga")]
+    if flags.l2:
+        add(make("Mul", [sc(f"{pre}d"), w], [t("dw")]))
+        terms.append(t("dw"))
+    if flags.l1:
+        add(make("Sign", [w], [t("sign")]))
+        add(make("Mul", [sc(f"{pre}e"), t("sign")], [t("ew")]))
+        terms.append(t("ew"))
+    grad = terms[0]
+    for j, term in enumerate(terms[1:]):
+        add(make("Add", [grad, term], [t(f"sum{j}")]))
+        grad = t(f"sum{j}")
+    if not flags.velocity:
+        add(make("Mul", [sc("sc"), grad], [t("step")]))
+        add(make("Add", [w, t("step")], [f"w{i}_new"]))
+        return nodes
+    # v is read (mu v) before v_new, written into v's memory, is computed.
+    add(make("Mul", [sc("mu"), v], [t("mv")]))
+    add(make("Add", [t("mv"), grad], [f"v{i}_new"]))
+    direction = f"v{i}_new"
+    if flags.nesterov:
+        add(make("Mul", [sc("mu"), f"v{i}_new"], [t("mvn")]))
+        add(make("Add", [t("mvn"), grad], [t("nesterov")]))
+        direction = t("nesterov")
+    add(make("Mul", [sc("s"), direction], [t("step")]))
+    add(make("Add", [w, t("step")], [f"w{i}_new"]))
+    return nodes
+
+
+def build_update_graph(layout):
+    """The ONNX model updating a layout of parameters.
+
+    ``layout`` is a tuple ``(sets, params)``: ``sets`` lists ``(elem_type,
+    flags)`` for each set of scalars (a parameter group and a dtype), ``params``
+    the index of the set of each parameter. Inputs are the scalars ``k<set>_<name>``
+    (shape ``(1,)``), then ``w<i>``, ``g<i>`` and, with momentum, ``v<i>`` for
+    each parameter (1-D); outputs are ``w<i>_new`` and ``v<i>_new``.
+    """
+    sets, params = layout
+    inputs, outputs, nodes = [], [], []
+    for k, (elem, flags) in enumerate(sets):
+        for name in flags.scalar_names():
+            inputs.append(helper.make_tensor_value_info(f"k{k}_{name}", elem, [1]))
+    for i, k in enumerate(params):
+        elem, flags = sets[k]
+        names = ["w", "g"] + (["v"] if flags.velocity else [])
+        for name in names:
+            inputs.append(helper.make_tensor_value_info(f"{name}{i}", elem, [f"n{i}"]))
+        outputs.append(helper.make_tensor_value_info(f"w{i}_new", elem, [f"n{i}"]))
+        if flags.velocity:
+            outputs.append(helper.make_tensor_value_info(f"v{i}_new", elem, [f"n{i}"]))
+        nodes += _update_nodes(i, k, flags)
+    graph = helper.make_graph(nodes, "ortbridge_sgd", inputs, outputs)
+    return make_model(graph)
+
+
+def _ortvalue(tensor):
+    return capi().OrtValue.from_dlpack(to_dlpack(tensor), False)
+
+
+class _Update:
+    """A session running one layout, and its binding to the tensors' memory."""
+
+    def __init__(self, layout):
+        ort = onnxruntime()
+        model = build_update_graph(layout)
+        options = ort.SessionOptions()
+        # Elementwise work on small tensors: one thread, and no spinning against
+        # torch's own thread pool.
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        self.binding = capi().SessionIOBinding(self.session._sess)
+        self.run_options = capi().RunOptions()
+        sets, params = layout
+        self.scalars = []
+        for k, (elem, flags) in enumerate(sets):
+            dtype = torch.float32 if elem == TensorProto.FLOAT else torch.float64
+            names = flags.scalar_names()
+            buffer = torch.zeros(len(names), dtype=dtype)
+            for j, name in enumerate(names):
+                self.binding.bind_ortvalue_input(f"k{k}_{name}", _ortvalue(buffer[j : j + 1]))
+            self.scalars.append(buffer.numpy())
+        n = len(params)
+        # Address of the memory bound to each parameter, gradient and velocity.
+        self.bound_w, self.bound_g, self.bound_v = [None] * n, [None] * n, [None] * n
+
+    def bind(self, name, tensor, output=None):
+        # The OrtValue holds a reference to the tensor (through DLPack): while it
+        # is bound, no other tensor can get the same address.
+        value = _ortvalue(tensor.view(-1))
+        self.binding.bind_ortvalue_input(name, value)
+        if output is not None:
+            self.binding.bind_ortvalue_output(output, value)
+
+    def run(self):
+        self.session._sess.run_with_iobinding(self.binding, self.run_options)
+
+
+class _Plan:
+    """What one step does, reused while the same parameters have gradients."""
+
+    def __init__(self, key, update, entries, set_groups):
+        self.key = key
+        self.update = update
+        #: (index, parameter, group index, position in group, has velocity)
+        self.entries = entries
+        #: (flags, group) of each set of scalars, in the update's order.
+        self.set_groups = set_groups
+
+
+class _FusedSGD(torch.optim.Optimizer):
+    """Machinery shared by :class:`OrtSGD` and :class:`SklearnSGD`."""
+
+    #: Key of the velocity in ``self.state[p]``.
+    _velocity_key = "momentum_buffer"
+
+    def __init__(self, params, defaults):
+        super().__init__(params, defaults)
+        self._updates = {}
+        self._plan = None
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_updates", None)
+        state.pop("_plan", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._updates = {}
+        self._plan = None
+
+    def _flags(self, group) -> _Flags:
+        raise NotImplementedError
+
+    def _coefficients(self, group) -> tuple[float, float, float, float, float, float]:
+        """``(a, d, e, c, s, mu)`` of the update rule of the module docstring."""
+        raise NotImplementedError
+
+    def _make_plan(self, key, flags):
+        sets, set_index, entries, layout_params = [], {}, [], []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                elem = _ELEM.get(p.dtype)
+                if elem is None or p.device.type != "cpu":
+                    raise OnnxTypeError(
+                        f"parameter {pi} of group {gi} is a {p.dtype} tensor on {p.device}: "
+                        f"{type(self).__name__} updates float32 and float64 CPU tensors"
+                    )
+                if (gi, elem) not in set_index:
+                    set_index[gi, elem] = len(sets)
+                    sets.append((elem, flags[gi], group))
+                entries.append((len(entries), p, gi, pi, flags[gi].velocity))
+                layout_params.append(set_index[gi, elem])
+        layout = (tuple((elem, fl) for elem, fl, _ in sets), tuple(layout_params))
+        update = self._updates.get(layout)
+        if update is None:
+            update = self._updates[layout] = _Update(layout)
+        else:
+            # Another plan may have bound other tensors to the same session.
+            n = len(layout_params)
+            update.bound_w, update.bound_g, update.bound_v = [None] * n, [None] * n, [None] * n
+        return _Plan(key, update, entries, [(fl, group) for _, fl, group in sets])
+
+    def _check_grad(self, p, grad, gi, pi):
+        if grad.is_sparse:
+            raise OnnxTypeError(
+                f"parameter {pi} of group {gi} has a sparse gradient: "
+                f"{type(self).__name__} needs dense gradients"
+            )
+        if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
+            raise OnnxInputError(
+                f"parameter {pi} of group {gi}: its gradient is a {grad.dtype} tensor of "
+                f"shape {tuple(grad.shape)} on {grad.device}, expected {p.dtype}, "
+                f"{tuple(p.shape)}, {p.device}"
+            )
+        return grad if grad.is_contiguous() else grad.contiguous()
+
+    def _velocity(self, p, gi, pi):
+        state = self.state[p]
+        velocity = state.get(self._velocity_key)
+        if velocity is None:
+            velocity = state[self._velocity_key] = torch.zeros_like(
+                p, memory_format=torch.contiguous_format
+            )
+        elif not velocity.is_contiguous() or velocity.shape != p.shape:
+            raise OnnxInputError(
+                f"the velocity of parameter {pi} of group {gi} has shape "
+                f"{tuple(velocity.shape)} (contiguous: {velocity.is_contiguous()}), "
+                f"expected a contiguous tensor of shape {tuple(p.shape)}"
+            )
+        return velocity
+
+    def _step(self):
+        """One update of every parameter that has a gradient (no closure, no hooks)."""
+        flags = tuple(self._flags(group) for group in self.param_groups)
+        with_grad = tuple(
+            id(p) for group in self.param_groups for p in group["params"] if p.grad is not None
+        )
+        if not with_grad:
+            return
+        key = (flags, with_grad)
+        plan = self._plan
+        if plan is None or plan.key != key:
+            plan = self._plan = self._make_plan(key, flags)
+        update = plan.update
+        for (fl, group), scalars in zip(plan.set_groups, update.scalars):
+            scalars[:] = fl.scalar_values(*self._coefficients(group))
+        bound_w, bound_g, bound_v = update.bound_w, update.bound_g, update.bound_v
+        touched = []
+        for i, p, gi, pi, has_velocity in plan.entries:
+            grad = p.grad
+            ptr = p.data_ptr()
+            if bound_w[i] != ptr:
+                if not p.is_contiguous():
+                    raise OnnxInputError(
+                        f"parameter {pi} of group {gi} (shape {tuple(p.shape)}) is not "
+                        "contiguous: onnxruntime reads contiguous memory only"
+                    )
+                update.bind(f"w{i}", p, f"w{i}_new")
+                bound_w[i] = ptr
+            if bound_g[i] != grad.data_ptr():
+                grad = self._check_grad(p, grad, gi, pi)
+                update.bind(f"g{i}", grad)
+                bound_g[i] = grad.data_ptr()
+            touched.append(p)
+            if has_velocity:
+                velocity = self._velocity(p, gi, pi)
+                if bound_v[i] != velocity.data_ptr():
+                    update.bind(f"v{i}", velocity, f"v{i}_new")
+                    bound_v[i] = velocity.data_ptr()
+                touched.append(velocity)
+        update.run()
+        # onnxruntime wrote into the tensors' memory behind autograd's back.
+        torch.autograd.graph.increment_version(touched)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update every parameter that has a gradient, in one onnxruntime call.
+
+        Parameters
+        ----------
+        closure : callable, optional
+            Re-evaluates the model and returns the loss.
+
+        Returns
+        -------
+        The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+
+class OrtSGD(_FusedSGD):
+    """Stochastic gradient descent, as :class:`torch.optim.SGD`, run by onnxruntime.
+
+    ``step()`` updates every parameter (and momentum buffer) in one onnxruntime
+    call on a graph built once per layout of parameters, writing in place into
+    the parameters' own memory. The update rule and the state are
+    :class:`torch.optim.SGD`'s (``state[p]["momentum_buffer"]``, no
+    dampening), so the two can be swapped, LR schedulers included.
+
+    Parameters
+    ----------
+    params : iterable
+        Parameters or parameter groups (dicts), float32 or float64 CPU tensors.
+    lr : float
+        Learning rate.
+    momentum : float, default 0
+        Momentum factor.
+    nesterov : bool, default False
+        Nesterov momentum (needs ``momentum > 0``).
+    weight_decay : float, default 0
+        L2 penalty added to the gradient, ``g + weight_decay * w``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from ortbridge.training import OrtSGD
+    >>> w = torch.nn.Parameter(torch.ones(3))
+    >>> opt = OrtSGD([w], lr=0.1, momentum=0.9)
+    >>> (w * w).sum().backward()
+    >>> opt.step()
+    >>> w.detach().tolist()
+    [0.800000011920929, 0.800000011920929, 0.800000011920929]
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+    ):
+        _check_hyper(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
+        }
+        super().__init__(params, defaults)
+
+    def _flags(self, group):
+        _check_hyper(
+            lr=group["lr"],
+            momentum=group["momentum"],
+            weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"],
+        )
+        return _Flags(
+            velocity=group["momentum"] != 0,
+            nesterov=bool(group["nesterov"]),
+            l2=group["weight_decay"] != 0,
+            l1=False,
+        )
+
+    def _coefficients(self, group):
+        lr = float(group["lr"])
+        return 1.0, float(group["weight_decay"]), 0.0, 1.0, -lr, float(group["momentum"])
+
+
+class SklearnSGD(_FusedSGD):
+    """SGD with scikit-learn's conventions (``MLPRegressor``), run by onnxruntime.
+
+    The gradients are those of a loss summed over the batch; ``step(grad_scale=...)``
+    divides them by the batch size (or the sum of its sample weights), adds the
+    elastic penalty ``alpha * (l1_ratio * |w|_1 + (1 - l1_ratio) / 2 * |w|^2)``
+    of the groups where ``alpha > 0``, divided likewise, then updates
+    ``v = momentum * v - lr * g; w += v`` (Nesterov: ``w += momentum * v - lr * g``).
+    Velocities are in ``state[p]["velocity"]``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.ones(2))
+    >>> opt = SklearnSGD([w], lr=0.5, momentum=0.0)
+    >>> w.grad = torch.tensor([2.0, 4.0])  # summed over a batch of two rows
+    >>> opt.step(grad_scale=0.5)
+    >>> w.detach().tolist()
+    [0.5, 0.0]
+    """
+
+    _velocity_key = "velocity"
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        alpha: float = 0.0,
+        l1_ratio: float = 0.0,
+    ):
+        _check_hyper(lr=lr, momentum=momentum, alpha=alpha)
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "alpha": alpha,
+            "l1_ratio": l1_ratio,
+        }
+        super().__init__(params, defaults)
+        self.grad_scale = 1.0
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("grad_scale", 1.0)
+
+    def _flags(self, group):
+        alpha, l1_ratio = group["alpha"], group["l1_ratio"]
+        _check_hyper(lr=group["lr"], momentum=group["momentum"], alpha=alpha)
+        if not 0 <= l1_ratio <= 1:
+            raise OnnxInputError(f"l1_ratio must be in [0, 1], got {l1_ratio}")
+        return _Flags(
+            velocity=group["momentum"] != 0,
+            nesterov=bool(group["nesterov"]) and group["momentum"] != 0,
+            l2=alpha != 0 and l1_ratio != 1,
+            l1=alpha != 0 and l1_ratio != 0,
+        )
+
+    def _coefficients(self, group):
+        a = float(self.grad_scale)
+        alpha, l1_ratio = float(group["alpha"]), float(group["l1_ratio"])
+        d = a * alpha * (1 - l1_ratio)
+        e = a * alpha * l1_ratio
+        return a, d, e, -float(group["lr"]), 1.0, float(group["momentum"])
+
+    def step(self, closure=None, *, grad_scale: float | None = None):
+        """Update the parameters; ``grad_scale`` multiplies the summed gradients."""
+        if grad_scale is not None:
+            self.grad_scale = grad_scale
+        return super().step(closure)
+
+    def _step(self, grad_scale: float | None = None):
+        if grad_scale is not None:
+            self.grad_scale = grad_scale
+        super()._step()
+
+
+def _check_hyper(*, nesterov=False, **values):
+    for name, value in values.items():
+        if not (isinstance(value, (int, float, np.floating, np.integer)) and value >= 0):
+            raise OnnxInputError(f"{name} must be a number >= 0, got {value!r}")
+    if nesterov and values["momentum"] <= 0:
+        raise OnnxInputError(f"nesterov=True needs momentum > 0, got momentum={values['momentum']}")
