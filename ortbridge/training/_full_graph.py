@@ -529,6 +529,12 @@ class OrtFullGraphTrainer:
         self._trainable = trainable
         self._input_name = inputs[0].name
         self._input_dtype = np_dtype(inputs[0].type.tensor_type.elem_type)
+        input_type = inputs[0].type.tensor_type
+        self._input_shape = None
+        if input_type.HasField("shape"):
+            self._input_shape = tuple(
+                d.dim_value if d.HasField("dim_value") else None for d in input_type.shape.dim
+            )
         self._dtype = np_dtype(types.pop())
         self._initial = {name: onnx.numpy_helper.to_array(floats[name]) for name in trainable}
         self._rng = None
@@ -617,8 +623,18 @@ class OrtFullGraphTrainer:
 
     def _check_inputs(self, X) -> np.ndarray:
         X = np.ascontiguousarray(X, dtype=self._input_dtype)
-        if X.ndim == 0:
-            raise OnnxInputError(f"input {self._input_name!r}: expected a batch, got a scalar")
+        expected = self._input_shape
+        if X.ndim == 0 or (
+            expected is not None
+            and (
+                len(expected) != X.ndim
+                or any(e is not None and e != d for e, d in zip(expected[1:], X.shape[1:]))
+            )
+        ):
+            shown = "?" if expected is None else tuple("N" if e is None else e for e in expected)
+            raise OnnxInputError(
+                f"input {self._input_name!r}: expected shape {shown}, got {X.shape}"
+            )
         return X
 
     def _check_data(self, X, y, sample_weight):
