@@ -407,3 +407,20 @@ def test_pickle_and_deepcopy_keep_the_training_state(exported, data):
     assert clone.fit(X, y).train_losses_ == losses == twin.fit(X, y).train_losses_
     unfitted = pickle.loads(pickle.dumps(OrtFullGraphTrainer(model, max_iter=3)))
     assert unfitted.max_iter == 3 and not hasattr(unfitted, "train_losses_")
+
+
+def test_batch_norm_is_refused_with_a_pointer_to_onnx_module():
+    model = linear_model(N_IN, 3)
+    graph = model.graph
+    out = graph.output[0].name
+    graph.node[-1].output[0] = "pre_bn"
+    for name, value in (("scale", 1.0), ("shift", 0.0), ("mean", 0.0), ("var", 1.0)):
+        graph.initializer.append(numpy_helper.from_array(np.full(3, value, np.float32), name))
+    graph.node.append(
+        onnx.helper.make_node(
+            "BatchNormalization", ["pre_bn", "scale", "shift", "mean", "var"], [out], name="bn"
+        )
+    )
+    X = np.ones((4, N_IN), np.float32)
+    with pytest.raises(OnnxModelError, match=r"BatchNormalization nodes \['bn'\].*OnnxModule"):
+        OrtFullGraphTrainer(model).fit(X, np.ones((4, 3), np.float32))

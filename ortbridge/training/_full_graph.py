@@ -510,6 +510,15 @@ class OrtFullGraphTrainer:
                 f"trainable={self.trainable!r}: {unknown or 'nothing'} is not a floating-point "
                 f"initializer of the model; expected some of {list(floats)}"
             )
+        batch_norms = [n.name for n in model.graph.node if n.op_type == "BatchNormalization"]
+        if batch_norms:
+            # onnxruntime's gradient builder trains them with batch statistics
+            # and the graph has no way to update the running ones.
+            raise OnnxModelError(
+                f"OrtFullGraphTrainer cannot train BatchNormalization nodes {batch_norms}: "
+                "their running statistics would never be updated; train the model with "
+                "ortbridge.OnnxModule, which tracks them"
+            )
         types = {floats[name].data_type for name in trainable}
         inits = {init.name for init in model.graph.initializer}
         inputs = [i for i in model.graph.input if i.name not in inits]
