@@ -424,3 +424,23 @@ def test_batch_norm_is_refused_with_a_pointer_to_onnx_module():
     X = np.ones((4, N_IN), np.float32)
     with pytest.raises(OnnxModelError, match=r"BatchNormalization nodes \['bn'\].*OnnxModule"):
         OrtFullGraphTrainer(model).fit(X, np.ones((4, 3), np.float32))
+
+
+def test_training_paths_benchmark_runs(tmp_path):
+    """The benchmark's smallest configuration: every way runs, ratios are recorded."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "bench_training_paths.py"
+    spec = importlib.util.spec_from_file_location("bench_training_paths", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    output = tmp_path / "result.json"
+    argv = ["--sizes", "4,8,1", "--batch", "4", "--steps", "2", "--rounds", "1"]
+    result = bench.main([*argv, "--threads", "1", "--output", str(output)])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result))
+    ways = {row["way"]: row for row in result["rows"]}
+    assert result["skipped"] == {}
+    assert ways["full graph"]["ratio_to_full_graph"] == 1.0
+    assert {"OnnxModule + torch SGD", "OnnxModule + OrtSGD"} <= set(ways)
