@@ -15,7 +15,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ._onnx_utils import FLOAT_TYPES, np_dtype
-from .exceptions import OnnxModelError, OnnxTypeError
+from .exceptions import NotDifferentiableError, OnnxModelError, OnnxTypeError
 
 # Inputs (by position) through which no gradient flows, per op type.
 _NON_DIFFERENTIABLE_SLOTS = {
@@ -251,11 +251,23 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
       statically known type of its second input.
     - ``LayerNormalization`` with only its first output fails inside the
       builder: its optional mean and inverse-std outputs are named.
+    - ``AveragePool`` over a tensor with a dynamic dimension: onnxruntime
+      1.19.2's ``AveragePoolGrad`` kills the process (SIGFPE); it becomes the
+      equivalent depthwise ``Conv`` with constant weights.
     - Unnamed nodes get a name.
     """
     graph = model.graph
     types = _elem_types(model)
+    shapes = _shapes(model)
     taken = _all_names(graph)
+    rewritten = []
+    for node in graph.node:
+        if node.op_type == "AveragePool" and node.domain in ("", "ai.onnx"):
+            rewritten.extend(_average_pool_as_conv(node, shapes, types, taken))
+            continue
+        rewritten.append(node)
+    del graph.node[:]
+    graph.node.extend(rewritten)
     for node in graph.node:
         if not node.name:  # errors and BatchNorm bookkeeping refer to nodes by name
             node.name = _unique(f"{node.op_type}_{node.output[0]}", taken)
@@ -286,6 +298,7 @@ class BatchNormStats:
     """A BatchNormalization node whose running statistics the bridge updates."""
 
     node_name: str
+    output: str
     mean: str
     var: str
     momentum: float
@@ -301,7 +314,11 @@ def batch_norm_nodes(model: onnx.ModelProto) -> list[BatchNormStats]:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         mean, var = node.input[3], node.input[4]
         if mean in inits and var in inits:
-            found.append(BatchNormStats(node.name, mean, var, float(attrs.get("momentum", 0.9))))
+            found.append(
+                BatchNormStats(
+                    node.name, node.output[0], mean, var, float(attrs.get("momentum", 0.9))
+                )
+            )
     return found
 
 
@@ -328,7 +345,7 @@ def make_variant(
     taken = _all_names(graph)
     ranks = _ranks(variant)
     true_name = None
-    new_nodes, extra_outputs = [], []
+    new_nodes, extra_outputs, batch_norms = [], [], []
     for node in graph.node:
         if node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
             if mode == EVAL:
@@ -356,17 +373,107 @@ def make_variant(
                 node.attribute.append(helper.make_attribute("training_mode", 1))
                 outs = [_unique(f"{node.output[0]}_running_{s}", taken) for s in ("mean", "var")]
                 node.output.extend(outs)
-                extra_outputs.extend(outs)
                 new_nodes.append(node)
+                batch_norms.append((node, outs))
             else:
                 new_nodes.append(node)
         else:
             new_nodes.append(node)
     del graph.node[:]
     graph.node.extend(new_nodes)
+    for node, (mean, var) in batch_norms:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        elem = _elem_type_of(graph, node.input[4])
+        momentum = float(attrs.get("momentum", 0.9))
+        x = node.input[0]
+        if x not in ranks:
+            raise OnnxModelError(
+                f"node {node.name!r} (BatchNormalization): the rank of its input {x!r} is "
+                "unknown; run onnx.shape_inference on the model or give the input a shape"
+            )
+        batch_var = _batch_var(graph, x, ranks[x])
+        extra_outputs.append(mean)
+        extra_outputs.append(unbiased_running_var(graph, x, var, batch_var, momentum, elem))
     for name in extra_outputs:
         graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
     return variant, extra_outputs
+
+
+def unbiased_running_var(
+    graph: onnx.GraphProto, x: str, new_var: str, batch_var: str, momentum: float, elem: int
+) -> str:
+    """Append nodes turning onnxruntime's running variance into torch's; return its name.
+
+    onnxruntime updates the running variance with the biased batch variance
+    ``v``, torch with the unbiased one, ``n / (n - 1)`` times larger (``n``
+    values per channel): torch's value is ``new + (1 - momentum) * v / (n - 1)``.
+    The old running variance is not read again: onnxruntime may have updated
+    it in place.
+    """
+    taken = _all_names(graph)
+
+    def new(suffix):
+        return _unique(f"{new_var}_{suffix}", taken)
+
+    rate, one = new("rate"), new("one")
+    dtype = np_dtype(elem)
+    graph.initializer.append(numpy_helper.from_array(np.array(1 - momentum, dtype=dtype), rate))
+    graph.initializer.append(numpy_helper.from_array(np.array(1, dtype=dtype), one))
+    size, channels, count, count_f, count_m1 = (
+        new("size"),
+        new("c"),
+        new("n"),
+        new("nf"),
+        new("n_1"),
+    )
+    share, step, out = new("share"), new("step"), new("unbiased")
+    graph.node.extend(
+        [
+            helper.make_node("Size", [x], [size]),
+            helper.make_node("Size", [new_var], [channels]),
+            helper.make_node("Div", [size, channels], [count]),
+            helper.make_node("Cast", [count], [count_f], to=elem),
+            helper.make_node("Sub", [count_f, one], [count_m1]),
+            helper.make_node("Div", [batch_var, count_m1], [share]),
+            helper.make_node("Mul", [share, rate], [step]),
+            helper.make_node("Add", [new_var, step], [out]),
+        ]
+    )
+    return out
+
+
+def batch_var_from_inv_std(graph: onnx.GraphProto, inv_std: str, epsilon: float, elem: int):
+    """Biased batch variance from a saved ``1 / sqrt(var + epsilon)``."""
+    taken = _all_names(graph)
+    eps, square, inv, out = (_unique(f"{inv_std}_{s}", taken) for s in ("eps", "sq", "inv", "var"))
+    graph.initializer.append(numpy_helper.from_array(np.array(epsilon, dtype=np_dtype(elem)), eps))
+    graph.node.extend(
+        [
+            helper.make_node("Mul", [inv_std, inv_std], [square]),
+            helper.make_node("Reciprocal", [square], [inv]),
+            helper.make_node("Sub", [inv, eps], [out]),
+        ]
+    )
+    return out
+
+
+def _batch_var(graph: onnx.GraphProto, x: str, rank: int) -> str:
+    """Biased per-channel variance of ``x`` (channels on axis 1)."""
+    taken = _all_names(graph)
+    axes, mean, diff, square, out = (
+        _unique(f"{x}_{s}", taken) for s in ("axes", "mean", "diff", "sq", "var")
+    )
+    reduce = [0, *range(2, rank)]
+    graph.initializer.append(numpy_helper.from_array(np.array(reduce, dtype=np.int64), axes))
+    graph.node.extend(
+        [
+            helper.make_node("ReduceMean", [x, axes], [mean], keepdims=1),
+            helper.make_node("Sub", [x, mean], [diff]),
+            helper.make_node("Mul", [diff, diff], [square]),
+            helper.make_node("ReduceMean", [square, axes], [out], keepdims=0),
+        ]
+    )
+    return out
 
 
 def _strip_training_attr(node):
@@ -388,17 +495,67 @@ def _set_dropout_training(node, graph, taken, value: bool) -> str:
     return name
 
 
-def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
+    """Shape (ints, or None for unknown dimensions) of every tensor inference can shape."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model)
     except Exception:
         inferred = model
     graph = inferred.graph
-    ranks = {}
+    shapes = {}
     for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
         if vi.type.tensor_type.HasField("shape"):
-            ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
-    return ranks
+            shapes[vi.name] = tuple(
+                d.dim_value if d.HasField("dim_value") else None
+                for d in vi.type.tensor_type.shape.dim
+            )
+    return shapes
+
+
+def _average_pool_as_conv(node, shapes, types, taken) -> list[onnx.NodeProto]:
+    shape = shapes.get(node.input[0])
+    if shape is not None and all(d is not None for d in shape):
+        return [node]  # static shapes: onnxruntime's own gradient works
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    pads = list(attrs.get("pads", []))
+    auto_pad = attrs.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    exact = (
+        shape is not None
+        and len(shape) >= 3
+        and shape[1] is not None
+        and auto_pad == "NOTSET"
+        and not attrs.get("ceil_mode", 0)
+        and (not any(pads) or attrs.get("count_include_pad", 0))
+    )
+    if not exact:
+        raise NotDifferentiableError(
+            f"node {node.name!r} (AveragePool): onnxruntime 1.19.2 crashes computing its "
+            "gradient when a dimension is dynamic, and it cannot be rewritten as a Conv "
+            "(needs a known channel count, no ceil_mode, no auto_pad, and no padding unless "
+            "count_include_pad=1); give the input static dimensions or use MaxPool"
+        )
+    kernel = list(attrs["kernel_shape"])
+    channels = shape[1]
+    elem = types.get(node.input[0], TensorProto.FLOAT)
+    weight = np.full([channels, 1, *kernel], 1.0 / float(np.prod(kernel)), dtype=np_dtype(elem))
+    weight_name = _unique(f"{node.name or 'avgpool'}_weight", taken)
+    conv_attrs = {"group": channels, "kernel_shape": kernel}
+    for key in ("strides", "pads", "dilations"):
+        if key in attrs:
+            conv_attrs[key] = list(attrs[key])
+    return [
+        helper.make_node(
+            "Constant", [], [weight_name], value=numpy_helper.from_array(weight, weight_name)
+        ),
+        helper.make_node(
+            "Conv", [node.input[0], weight_name], [node.output[0]], node.name, **conv_attrs
+        ),
+    ]
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    return {name: len(shape) for name, shape in _shapes(model).items()}
 
 
 def _decompose_batch_norm(node, ranks, taken, graph) -> list[onnx.NodeProto]:

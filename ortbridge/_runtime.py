@@ -14,6 +14,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from . import _ort
+from ._graph import batch_var_from_inv_std, unbiased_running_var
 from .exceptions import NotDifferentiableError, OnnxModelError, OrtBridgeError
 
 _NOT_REGISTERED = re.compile(r"has not been registered: (\S+) for node (\S*)")
@@ -225,20 +226,32 @@ def _expose_running_stats(gradient: onnx.ModelProto, batch_norm_nodes) -> list[s
     """
     if not batch_norm_nodes:
         return []
-    wanted = {bn.node_name for bn in batch_norm_nodes}
+    # The builder renames the nodes it replaces: match them by output.
     found = {}
     for node in gradient.graph.node:
-        if node.op_type == "BatchNormInternal" and node.name in wanted:
-            found[node.name] = (node.output[1], node.output[2])
+        if node.op_type == "BatchNormInternal":
+            found[node.output[0]] = node
     yield_op = next(n for n in gradient.graph.node if n.op_type == "YieldOp")
     extra = []
     for bn in batch_norm_nodes:
-        if bn.node_name not in found:
+        if bn.output not in found:
             raise OrtBridgeError(
                 f"BatchNormalization node {bn.node_name!r} vanished from the gradient graph: "
                 "its running statistics cannot be updated (use batch_norm='frozen')"
             )
-        extra.extend(found[bn.node_name])
+        node = found[bn.output]
+        elem = next(
+            (i.type.tensor_type.elem_type for i in gradient.graph.input if i.name == bn.var),
+            onnx.TensorProto.FLOAT,
+        )
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        batch_var = batch_var_from_inv_std(
+            gradient.graph, node.output[4], float(attrs.get("epsilon", 1e-5)), elem
+        )
+        var = unbiased_running_var(
+            gradient.graph, node.input[0], node.output[2], batch_var, bn.momentum, elem
+        )
+        extra.extend([node.output[1], var])
     start = len(yield_op.input)
     yield_op.input.extend(extra)
     for attr in yield_op.attribute:

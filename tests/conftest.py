@@ -1,0 +1,78 @@
+"""Shared fixtures: seeding, torch -> ONNX export, and comparison helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from ortbridge import OnnxModule
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    np.random.seed(0)
+
+
+def export(model: torch.nn.Module, args: tuple, dynamic_batch: bool = True, **kwargs):
+    """Export with torch's current (dynamo) exporter, as a user would.
+
+    ``optimize=False``: the exporter's optimizer folds BatchNorm into Conv and
+    drops all-zero biases, which removes trainable weights.
+    """
+    if dynamic_batch and "dynamic_shapes" not in kwargs:
+        kwargs["dynamic_shapes"] = tuple({0: torch.export.Dim("batch", min=1)} for _ in args)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            model, args, dynamo=True, optimize=False, verbose=False, **kwargs
+        )
+    return program.model_proto
+
+
+def grads_of(tensors):
+    return [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+def compare_with_torch(
+    torch_model, onnx_module: OnnxModule, inputs, loss_fn=None, rtol=1e-4, atol=1e-5
+):
+    """Outputs, parameter gradients and input gradients of both models agree."""
+    loss_fn = loss_fn or (
+        lambda out: sum((o.float() ** 2).sum() for o in _as_tuple(out) if o.is_floating_point())
+    )
+    ref_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    ours_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    ref_out = torch_model(*ref_inputs)
+    out = onnx_module(*ours_inputs)
+    for r, o in zip(_as_tuple(ref_out), _as_tuple(out)):
+        torch.testing.assert_close(o, r, rtol=rtol, atol=atol)
+    loss_fn(ref_out).backward()
+    loss_fn(out).backward()
+    params = dict(torch_model.named_parameters())
+    n = 0
+    for name, param in onnx_module.named_onnx_parameters():
+        torch.testing.assert_close(
+            param.grad,
+            params[name].grad,
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, name=name: f"gradient of {name}: {m}",
+        )
+        n += 1
+    assert n == len(params), (n, sorted(params))
+    for r, o in zip(ref_inputs, ours_inputs):
+        if r.requires_grad:
+            torch.testing.assert_close(o.grad, r.grad, rtol=rtol, atol=atol)
+    return out
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
