@@ -1,0 +1,625 @@
+"""scikit-learn estimators training an ONNX model with onnxruntime.
+
+The model predicts (a regressor's prediction, a binary classifier's raw
+score). Fitting appends a loss to its graph (:func:`._losses.append_loss`),
+wraps the result in :class:`ortbridge.OnnxModule` (one forward gives the
+summed loss of a batch, one backward every gradient) and updates the weights
+with :class:`._sgd.SklearnSGD` (one onnxruntime call a batch). Conventions
+are ``MLPRegressor``'s: gradients averaged over the batch, learning rate set
+at the start of each epoch, elastic penalty on the coefficients (the weights
+of MatMul/Gemm/Conv nodes) divided by the batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import torch
+from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
+from sklearn.exceptions import NotFittedError as SklearnNotFittedError
+from sklearn.utils import check_array, check_random_state
+
+from .. import _graph, exceptions
+from .._onnx_utils import np_dtype
+from .._ort import onnxruntime
+from ..exceptions import OnnxInputError, OnnxModelError, TrainingDivergedError
+from . import _losses
+from ._sgd import SklearnSGD
+
+__all__ = ["NotFittedError", "OnnxSGDClassifier", "OnnxSGDRegressor"]
+
+
+class NotFittedError(exceptions.NotFittedError, SklearnNotFittedError):
+    """An estimator was used before ``fit``; also scikit-learn's ``NotFittedError``."""
+
+
+class _BaseOnnxSGD(BaseEstimator):
+    """Mini-batch SGD on an ONNX model, scikit-learn's ``MLPRegressor`` conventions.
+
+    Subclasses choose the loss, how ``y`` becomes the target and how the
+    model's output becomes a prediction.
+    """
+
+    _losses_allowed: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        model,
+        *,
+        loss,
+        learning_rate="constant",
+        learning_rate_init=0.001,
+        power_t=0.5,
+        momentum=0.9,
+        nesterovs_momentum=True,
+        alpha=0.0,
+        l1_ratio=0.0,
+        batch_size=32,
+        max_iter=200,
+        shuffle=True,
+        random_state=None,
+        warm_start=False,
+        trainable=None,
+    ):
+        self.model = model
+        self.loss = loss
+        self.learning_rate = learning_rate
+        self.learning_rate_init = learning_rate_init
+        self.power_t = power_t
+        self.momentum = momentum
+        self.nesterovs_momentum = nesterovs_momentum
+        self.alpha = alpha
+        self.l1_ratio = l1_ratio
+        self.batch_size = batch_size
+        self.max_iter = max_iter
+        self.shuffle = shuffle
+        self.random_state = random_state
+        self.warm_start = warm_start
+        self.trainable = trainable
+
+    # -- what subclasses define ---------------------------------------------
+
+    def _target(self, y, dtype, first_call):
+        """``y`` as a float array of shape (n, k)."""
+        raise NotImplementedError
+
+    # -- checks ---------------------------------------------------------------
+
+    def _check_params(self):
+        if self.loss not in self._losses_allowed:
+            raise OnnxInputError(
+                f"loss={self.loss!r} is not supported by {type(self).__name__}: "
+                f"expected one of {self._losses_allowed}"
+            )
+        if self.learning_rate not in _losses.SCHEDULES:
+            raise OnnxInputError(
+                f"learning_rate={self.learning_rate!r} is not supported: "
+                f"expected one of {_losses.SCHEDULES}"
+            )
+        if self.learning_rate == "optimal":
+            _losses.optimal_t0(self.alpha)
+        checks = [
+            ("learning_rate_init", self.learning_rate_init, 0, None, False),
+            ("momentum", self.momentum, 0, 1, True),
+            ("alpha", self.alpha, 0, None, True),
+            ("l1_ratio", self.l1_ratio, 0, 1, True),
+            ("power_t", self.power_t, None, None, True),
+        ]
+        for name, value, low, high, low_ok in checks:
+            ok = isinstance(value, (int, float, np.number)) and math.isfinite(value)
+            ok = ok and (low is None or value > low or (low_ok and value == low))
+            ok = ok and (high is None or value <= high)
+            if not ok:
+                bounds = f"{'>=' if low_ok else '>'} {low}" if low is not None else "finite"
+                bounds += f" and <= {high}" if high is not None else ""
+                raise OnnxInputError(f"{name} must be a number {bounds}, got {value!r}")
+        if not (self.batch_size == "auto" or _positive_int(self.batch_size)):
+            raise OnnxInputError(
+                f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}"
+            )
+        if not _positive_int(self.max_iter):
+            raise OnnxInputError(f"max_iter must be a positive integer, got {self.max_iter!r}")
+
+    def _check_X(self, X, reset):
+        X = check_array(X, dtype=self._dtype_, order="C")
+        if reset:
+            self.n_features_in_ = X.shape[1]
+        elif X.shape[1] != self.n_features_in_:
+            raise OnnxInputError(
+                f"X has {X.shape[1]} features, but {type(self).__name__} was fitted "
+                f"with {self.n_features_in_}"
+            )
+        return X
+
+    def _check_fitted(self):
+        if not hasattr(self, "module_"):
+            raise NotFittedError(
+                f"This {type(self).__name__} instance is not fitted yet: call 'fit' or "
+                "'partial_fit' before using it"
+            )
+
+    # -- initialisation ------------------------------------------------------
+
+    def _load_model(self):
+        model = _graph.load_model(self.model)
+        inputs = [i for i in model.graph.input if i.name not in _initializer_names(model)]
+        if len(inputs) != 1:
+            raise OnnxModelError(
+                f"the model takes {len(inputs)} inputs {[i.name for i in inputs]}: "
+                f"{type(self).__name__} expects one, the features X"
+            )
+        elem = inputs[0].type.tensor_type.elem_type
+        if elem not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE):
+            raise OnnxModelError(
+                f"input {inputs[0].name!r} has type {onnx.TensorProto.DataType.Name(elem)}: "
+                "expected float or double features"
+            )
+        return model, np_dtype(elem)
+
+    def _initialize(self, n_outputs):
+        """Build the training module and a fresh optimizer from ``self.model``."""
+        model, _ = self._load_model()
+        training = _losses.append_loss(model, self.loss)
+        module = _new_module(training, self.trainable)
+        penalised = _losses.penalised_initializers(model)
+        params = dict(module.named_onnx_parameters())
+        if not params:
+            raise OnnxModelError("the model has no trainable float initializer")
+        coefs = [p for name, p in params.items() if name in penalised]
+        others = [p for name, p in params.items() if name not in penalised]
+        groups = [g for g in ({"params": coefs}, {"params": others, "alpha": 0.0}) if g["params"]]
+        self.module_ = module
+        self.optimizer_ = SklearnSGD(
+            groups,
+            lr=self.learning_rate_init,
+            momentum=self.momentum,
+            nesterov=bool(self.nesterovs_momentum),
+            alpha=self.alpha,
+            l1_ratio=self.l1_ratio,
+        )
+        self._penalised = coefs
+        self.n_outputs_ = n_outputs
+        self.n_iter_ = 0
+        self.t_ = 0
+        self.train_losses_ = []
+        self.learning_rate_ = float(self.learning_rate_init)
+        self._random_state = check_random_state(self.random_state)
+        self._predictor = None
+
+    # -- training --------------------------------------------------------------
+
+    def _prepare(self, X, y, sample_weight, first_call):
+        if first_call:
+            _, self._dtype_ = self._load_model()
+        X = self._check_X(X, reset=first_call)
+        target = self._target(y, self._dtype_, first_call)
+        if target.shape[0] != X.shape[0]:
+            raise OnnxInputError(f"X has {X.shape[0]} rows but y has {target.shape[0]}")
+        if sample_weight is None:
+            weight = None
+        else:
+            weight = np.asarray(sample_weight, dtype=self._dtype_).reshape(-1)
+            if weight.shape[0] != X.shape[0]:
+                raise OnnxInputError(
+                    f"sample_weight has {weight.shape[0]} values, expected one per row "
+                    f"of X ({X.shape[0]})"
+                )
+            if not np.all(np.isfinite(weight)) or (weight < 0).any():
+                raise OnnxInputError("sample_weight must hold finite values >= 0")
+        return X, target, weight
+
+    def _fit(self, X, y, sample_weight, epochs, incremental):
+        self._check_params()
+        first = not hasattr(self, "module_") or not (incremental or self.warm_start)
+        X, target, weight = self._prepare(X, y, sample_weight, first)
+        if first:
+            self._initialize(target.shape[1])
+        elif target.shape[1] != self.n_outputs_:
+            raise OnnxInputError(
+                f"y has {target.shape[1]} columns, the model was fitted with {self.n_outputs_}"
+            )
+        else:
+            self._sync_hyperparameters()
+        X_t = torch.from_numpy(X)
+        y_t = torch.from_numpy(np.ascontiguousarray(target))
+        ones = weight is None
+        w_t = torch.from_numpy(
+            np.ones((X.shape[0], 1), dtype=self._dtype_) if ones else weight.reshape(-1, 1)
+        )
+        for _ in range(epochs):
+            self._epoch(X_t, y_t, w_t, None if ones else weight)
+        return self
+
+    def _sync_hyperparameters(self):
+        """Apply parameters changed by ``set_params`` between two fits (warm start)."""
+        for group in self.optimizer_.param_groups:
+            group["momentum"] = self.momentum
+            group["nesterov"] = bool(self.nesterovs_momentum)
+            group["l1_ratio"] = self.l1_ratio
+            if any(p is q for p in group["params"] for q in self._penalised):
+                group["alpha"] = self.alpha
+
+    def _epoch(self, X, y, w, weight):
+        n = X.shape[0]
+        batch = min(200, n) if self.batch_size == "auto" else min(int(self.batch_size), n)
+        lr = _losses.learning_rate(
+            self.learning_rate,
+            self.learning_rate_init,
+            self.t_,
+            power_t=self.power_t,
+            alpha=self.alpha,
+        )
+        self.learning_rate_ = lr
+        for group in self.optimizer_.param_groups:
+            group["lr"] = lr
+        if self.shuffle:
+            order = torch.from_numpy(self._random_state.permutation(n))
+            X, y, w = X[order], y[order], w[order]
+            if weight is not None:
+                weight = weight[order.numpy()]
+        module, optimizer = self.module_, self.optimizer_
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        penalty = self.alpha > 0 and bool(self._penalised)
+        total = 0.0
+        for start in range(0, n, batch):
+            stop = min(start + batch, n)
+            sw = float(stop - start) if weight is None else float(weight[start:stop].sum())
+            loss = module(X[start:stop], y[start:stop], w[start:stop])
+            value = loss.item()
+            if penalty:
+                value += self._penalty_value()
+            if not math.isfinite(value):
+                raise TrainingDivergedError(
+                    f"the training loss became {value} at epoch {self.n_iter_ + 1}, rows "
+                    f"{start}:{stop} (learning rate {lr:g}): lower learning_rate_init, scale "
+                    "X and y, or look for huge values in the data"
+                )
+            if sw <= 0:
+                continue  # every row of the batch has weight 0: nothing to learn
+            for p in params:
+                p.grad = None
+            loss.backward()
+            optimizer._step(1.0 / sw)
+            # scikit-learn's loss_: the mean of the batch, weighted by its rows.
+            total += value / sw * (stop - start)
+        self._predictor = None
+        self.n_iter_ += 1
+        self.t_ += n
+        self.loss_ = total / n
+        self.train_losses_.append(self.loss_)
+
+    def _penalty_value(self):
+        alpha, l1_ratio = self.alpha, self.l1_ratio
+        with torch.no_grad():
+            value = 0.0
+            for p in self._penalised:
+                if l1_ratio:
+                    value += l1_ratio * p.abs().sum().item()
+                if l1_ratio != 1:
+                    value += 0.5 * (1 - l1_ratio) * (p * p).sum().item()
+        return alpha * value
+
+    def fit(self, X, y, sample_weight=None):
+        """Train for ``max_iter`` epochs (resuming the previous fit when ``warm_start``).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+        y : array-like of shape (n_samples,) or (n_samples, n_outputs)
+        sample_weight : array-like of shape (n_samples,), optional
+            One weight per row; a batch's gradient is divided by the sum of
+            its weights.
+
+        Returns
+        -------
+        self
+        """
+        return self._fit(X, y, sample_weight, int(self.max_iter), incremental=False)
+
+    def partial_fit(self, X, y, sample_weight=None):
+        """One epoch on ``(X, y)``, resuming the previous state if there is one."""
+        return self._fit(X, y, sample_weight, 1, incremental=True)
+
+    # -- inference --------------------------------------------------------------
+
+    def to_onnx(self) -> onnx.ModelProto:
+        """The model given at construction with the trained weights.
+
+        Its onnxruntime predictions are :meth:`predict`'s (the raw score for a
+        classifier).
+        """
+        self._check_fitted()
+        model, _ = self._load_model()
+        weights = {
+            name: p.detach().cpu().numpy() for name, p in self.module_.named_onnx_parameters()
+        }
+        return _graph.with_weights(model, weights)
+
+    def _raw_predict(self, X):
+        self._check_fitted()
+        X = self._check_X(X, reset=False)
+        if self._predictor is None:
+            ort = onnxruntime()
+            model = self.to_onnx()
+            session = ort.InferenceSession(
+                model.SerializeToString(), providers=["CPUExecutionProvider"]
+            )
+            self._predictor = (session, session.get_inputs()[0].name)
+        session, name = self._predictor
+        out = session.run(None, {name: X})[0]
+        return out.reshape(X.shape[0], -1)
+
+    # -- pickling ----------------------------------------------------------------
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())  # may be self.__dict__ itself
+        state.pop("_predictor", None)
+        module = state.pop("module_", None)
+        optimizer = state.pop("optimizer_", None)
+        state.pop("_penalised", None)
+        if module is not None:
+            params = dict(module.named_onnx_parameters())
+            state["_saved_weights"] = {n: p.detach().numpy().copy() for n, p in params.items()}
+            state["_saved_velocities"] = {
+                n: optimizer.state[p]["velocity"].numpy().copy()
+                for n, p in params.items()
+                if "velocity" in optimizer.state.get(p, {})
+            }
+        return state
+
+    def __setstate__(self, state):
+        weights = state.pop("_saved_weights", None)
+        velocities = state.pop("_saved_velocities", {})
+        super().__setstate__(state)
+        self._predictor = None
+        if weights is None:
+            return
+        # Rebuild the module and the optimizer, then restore the fitted state,
+        # the weights and the velocities.
+        saved = dict(self.__dict__)
+        self._initialize(self.n_outputs_)
+        for name, value in saved.items():
+            if name not in ("module_", "optimizer_", "_penalised", "_predictor"):
+                setattr(self, name, value)
+        self._sync_hyperparameters()
+        params = dict(self.module_.named_onnx_parameters())
+        with torch.no_grad():
+            for name, value in weights.items():
+                params[name].copy_(torch.from_numpy(value))
+        for name, value in velocities.items():
+            self.optimizer_.state[params[name]]["velocity"] = torch.from_numpy(value.copy())
+
+
+class OnnxSGDRegressor(RegressorMixin, _BaseOnnxSGD):
+    """Train an ONNX regression model with SGD run by onnxruntime.
+
+    The parameters follow scikit-learn's ``MLPRegressor`` (and ``SGDRegressor``
+    for ``alpha``/``l1_ratio``/``learning_rate="optimal"``); the update is
+    ``MLPRegressor``'s, so that starting from an ``MLPRegressor`` converted to
+    ONNX, an epoch gives the weights ``MLPRegressor.partial_fit`` gives.
+
+    Parameters
+    ----------
+    model : onnx.ModelProto, bytes or path
+        The model; its first output is the prediction, shape (n,) or (n, k).
+    loss : {"squared_error", "absolute_error", "elastic"}
+        ``squared_error`` is half the squared error, averaged over a batch.
+    learning_rate : {"constant", "invscaling", "optimal"}
+        Schedule, evaluated at the start of each epoch from ``t_``, the
+        number of samples seen: ``learning_rate_init``,
+        ``learning_rate_init / (t_ + 1) ** power_t``, or
+        ``1 / (alpha * (t0 + t_))``.
+    learning_rate_init, power_t : float
+    momentum : float in [0, 1]
+    nesterovs_momentum : bool
+    alpha : float
+        Strength of the elastic penalty on the coefficients (weights of
+        MatMul, Gemm and Conv nodes; biases are not penalised).
+    l1_ratio : float in [0, 1]
+        Its L1 share: ``alpha * (l1_ratio |w|_1 + (1 - l1_ratio) / 2 |w|^2)``.
+    batch_size : int or "auto"
+    max_iter : int
+        Epochs run by ``fit``.
+    shuffle : bool
+    random_state : int, RandomState or None
+    warm_start : bool
+        ``fit`` resumes from the previous fit (weights and velocities).
+    trainable : None, iterable of str or callable
+        Initializers to train, as :class:`ortbridge.OnnxModule`'s ``trainable``.
+
+    Attributes
+    ----------
+    train_losses_ : list of float
+        Loss of each epoch (mean over rows, penalty included).
+    loss_ : float
+    n_iter_ : int
+        Epochs run since the weights were last initialised from ``model``.
+    t_ : int
+        Samples seen since then.
+    learning_rate_ : float
+    module_ : ortbridge.OnnxModule
+        The model with its loss; its parameters are the trained weights.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from ortbridge._examples import linear_model
+    >>> from ortbridge.training import OnnxSGDRegressor
+    >>> X = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+    >>> y = X @ np.array([1.0, -2.0, 0.5], dtype=np.float32)
+    >>> reg = OnnxSGDRegressor(linear_model(3, 1), learning_rate_init=0.05, max_iter=30,
+    ...                        batch_size=8, random_state=0).fit(X, y)
+    >>> reg.score(X, y) > 0.99
+    True
+    """
+
+    _losses_allowed = ("squared_error", "absolute_error", "elastic")
+
+    def __init__(
+        self,
+        model,
+        *,
+        loss="squared_error",
+        learning_rate="constant",
+        learning_rate_init=0.001,
+        power_t=0.5,
+        momentum=0.9,
+        nesterovs_momentum=True,
+        alpha=0.0,
+        l1_ratio=0.0,
+        batch_size=32,
+        max_iter=200,
+        shuffle=True,
+        random_state=None,
+        warm_start=False,
+        trainable=None,
+    ):
+        super().__init__(
+            model,
+            loss=loss,
+            learning_rate=learning_rate,
+            learning_rate_init=learning_rate_init,
+            power_t=power_t,
+            momentum=momentum,
+            nesterovs_momentum=nesterovs_momentum,
+            alpha=alpha,
+            l1_ratio=l1_ratio,
+            batch_size=batch_size,
+            max_iter=max_iter,
+            shuffle=shuffle,
+            random_state=random_state,
+            warm_start=warm_start,
+            trainable=trainable,
+        )
+
+    def _target(self, y, dtype, first_call):
+        y = check_array(y, dtype=dtype, ensure_2d=False, order="C")
+        self._y_1d = y.ndim == 1 if first_call else self._y_1d
+        return y.reshape(y.shape[0], -1)
+
+    def predict(self, X):
+        """Predictions of the trained model, shape (n,) for one output."""
+        out = self._raw_predict(X)
+        return out.ravel() if out.shape[1] == 1 and self._y_1d else out
+
+
+class OnnxSGDClassifier(ClassifierMixin, _BaseOnnxSGD):
+    """Train an ONNX binary classifier (it outputs a raw score) with onnxruntime.
+
+    Same parameters as :class:`OnnxSGDRegressor`, with ``loss="log_loss"``:
+    the logistic loss of the raw score ``s``, ``log(1 + exp(s)) - y s``. The
+    second class of ``classes_`` is the positive one.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from ortbridge._examples import linear_model
+    >>> from ortbridge.training import OnnxSGDClassifier
+    >>> X = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+    >>> y = np.where(X[:, 0] - X[:, 1] > 0, "yes", "no")
+    >>> clf = OnnxSGDClassifier(linear_model(3, 1), learning_rate_init=0.1, max_iter=20,
+    ...                         batch_size=8, random_state=0).fit(X, y)
+    >>> clf.score(X, y) > 0.95, clf.predict_proba(X[:2]).shape
+    (True, (2, 2))
+    """
+
+    _losses_allowed = ("log_loss",)
+
+    def __init__(
+        self,
+        model,
+        *,
+        loss="log_loss",
+        learning_rate="constant",
+        learning_rate_init=0.001,
+        power_t=0.5,
+        momentum=0.9,
+        nesterovs_momentum=True,
+        alpha=0.0,
+        l1_ratio=0.0,
+        batch_size=32,
+        max_iter=200,
+        shuffle=True,
+        random_state=None,
+        warm_start=False,
+        trainable=None,
+    ):
+        super().__init__(
+            model,
+            loss=loss,
+            learning_rate=learning_rate,
+            learning_rate_init=learning_rate_init,
+            power_t=power_t,
+            momentum=momentum,
+            nesterovs_momentum=nesterovs_momentum,
+            alpha=alpha,
+            l1_ratio=l1_ratio,
+            batch_size=batch_size,
+            max_iter=max_iter,
+            shuffle=shuffle,
+            random_state=random_state,
+            warm_start=warm_start,
+            trainable=trainable,
+        )
+
+    def partial_fit(self, X, y, sample_weight=None, classes=None):
+        """One epoch on ``(X, y)``; ``classes`` (both labels) is needed on the first call
+        when ``y`` may not hold both."""
+        if classes is not None and not hasattr(self, "classes_"):
+            self._classes_given = np.unique(classes)
+        return super().partial_fit(X, y, sample_weight)
+
+    def _target(self, y, dtype, first_call):
+        y = np.asarray(y)
+        if y.ndim == 2 and y.shape[1] == 1:
+            y = y.ravel()
+        if y.ndim != 1:
+            raise OnnxInputError(
+                f"y must be 1-D, got shape {y.shape}: {type(self).__name__} is binary"
+            )
+        if first_call:
+            given = self.__dict__.pop("_classes_given", None)
+            classes = given if given is not None else np.unique(y)
+            if len(classes) != 2:
+                raise OnnxInputError(
+                    f"{type(self).__name__} is a binary classifier: y holds "
+                    f"{len(classes)} class(es) {list(classes)[:5]}, expected 2"
+                )
+            self.classes_ = classes
+        unknown = ~np.isin(y, self.classes_)
+        if unknown.any():
+            raise OnnxInputError(
+                f"y holds labels {list(np.unique(y[unknown]))[:5]} unseen in classes_ "
+                f"{list(self.classes_)}"
+            )
+        return (y == self.classes_[1]).astype(dtype).reshape(-1, 1)
+
+    def decision_function(self, X):
+        """Raw scores, shape (n,); positive means ``classes_[1]``."""
+        return self._raw_predict(X)[:, 0]
+
+    def predict_proba(self, X):
+        """Probabilities of ``classes_``, shape (n, 2)."""
+        score = self.decision_function(X).astype(np.float64)
+        positive = 1.0 / (1.0 + np.exp(-score))
+        return np.column_stack([1.0 - positive, positive])
+
+    def predict(self, X):
+        """Labels from ``classes_``."""
+        return self.classes_[(self.decision_function(X) > 0).astype(int)]
+
+
+def _positive_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+
+
+def _initializer_names(model):
+    return {init.name for init in model.graph.initializer}
+
+
+def _new_module(model, trainable):
+    from ..module import OnnxModule  # the core imports onnxruntime: only when fitting
+
+    return OnnxModule(model, trainable=trainable)
