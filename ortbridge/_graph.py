@@ -254,6 +254,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     - ``AveragePool`` over a tensor with a dynamic dimension: onnxruntime
       1.19.2's ``AveragePoolGrad`` kills the process (SIGFPE); it becomes the
       equivalent depthwise ``Conv`` with constant weights.
+    - ``Dropout`` without its mask output: the gradient needs the mask.
     - Unnamed nodes get a name.
     """
     graph = model.graph
@@ -284,6 +285,12 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
             del node.attribute[:]
             node.attribute.append(helper.make_attribute("to", target))
             node.op_type = "Cast"
+        elif node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
+            # DropoutGrad reads the mask: the builder fails when it is unnamed.
+            if len(node.output) < 2:
+                node.output.append(_unique(f"{node.output[0]}_mask", taken))
+            elif not node.output[1]:
+                node.output[1] = _unique(f"{node.output[0]}_mask", taken)
         elif node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
             while len(node.output) < 3:
                 node.output.append(_unique(f"{node.output[0]}_ln_stat", taken))
@@ -346,10 +353,12 @@ def make_variant(
     ranks = _ranks(variant)
     true_name = None
     new_nodes, extra_outputs, batch_norms = [], [], []
+    consumed = {name for node in graph.node for name in node.input}
+    consumed |= {o.name for o in graph.output}
     for node in graph.node:
         if node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
             if mode == EVAL:
-                if len(node.output) > 1 and node.output[1]:
+                if len(node.output) > 1 and node.output[1] in consumed:
                     # The mask is used: keep the node, switched off.
                     _set_dropout_training(node, graph, taken, False)
                     new_nodes.append(node)

@@ -66,7 +66,12 @@ def to_ortvalues(tensors) -> object:
     vector = C.OrtValueVector()
     vector.reserve(len(tensors))
     for t in tensors:
-        vector.push_back(to_dlpack(t), t.dtype == torch.bool)
+        if t.dtype == torch.bool:
+            # torch exports bool as DLPack's kDLBool, which onnxruntime 1.19
+            # refuses: hand it the same bytes as uint8, flagged bool.
+            vector.push_back(to_dlpack(t.view(torch.uint8)), True)
+        else:
+            vector.push_back(to_dlpack(t), False)
     return vector
 
 
@@ -79,9 +84,14 @@ def from_ortvalues(vector) -> list[torch.Tensor]:
     return tensors
 
 
-def _session(model_bytes: bytes, device, session_options, providers):
+def _session(model_bytes: bytes, device, session_options, providers, training=False):
     ort = _ort.onnxruntime()
     so = session_options if session_options is not None else default_session_options(device)
+    if training:
+        # With memory patterns, the planner hands the buffers of the forward
+        # outputs (the YieldOp inputs) to backward intermediates although
+        # torch still holds them: outputs changed under the user's feet.
+        so.enable_mem_pattern = False
     try:
         return ort.InferenceSession(model_bytes, so, providers=providers_for(device, providers))
     except Exception as exc:
@@ -164,7 +174,9 @@ class GradientGraph:
         # Which tensor each gradient output belongs to.
         self.grad_targets = [grad_to_name[o.name] for o in gradient.graph.output]
         self.gradient_model = gradient
-        self.session = _session(gradient.SerializeToString(), device, session_options, providers)
+        self.session = _session(
+            gradient.SerializeToString(), device, session_options, providers, training=True
+        )
         dev = ort_device(device)
         n_fw = self.n_user_outputs + len(self.batch_norm_outputs)
         self.agent = C.TrainingAgent(

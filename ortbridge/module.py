@@ -215,11 +215,10 @@ class OnnxModule(nn.Module):
     def forward(self, *args, **kwargs):
         inputs = self._bind(args, kwargs)
         weights = self._weights()
-        device = weights[0].device if weights else inputs[0].device
-        inputs = [
-            self._check_input(spec, t, device) for spec, t in zip(self._summary.inputs, inputs)
-        ]
         self._check_weights(weights)
+        device = weights[0].device if weights else inputs[0].device
+        specs = self._summary.inputs
+        inputs = [self._check_input(spec, t, device) for spec, t in zip(specs, inputs)]
         tensors = inputs + weights
         mode = _graph.TRAIN if self.training else _graph.EVAL
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

@@ -1,0 +1,123 @@
+"""train()/eval() change what the graph computes as they do for torch layers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import compare_with_torch, export
+from torch import nn
+
+from ortbridge import OnnxModule
+
+P = 0.4
+
+
+@pytest.fixture(scope="module")
+def dropout_net():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Dropout(P), nn.Identity())
+    # Exported in train mode: the graph holds a Dropout node (training_mode=True).
+    proto = export(model.train(), (torch.randn(4, 32),))
+    assert any(n.op_type == "Dropout" for n in proto.graph.node)
+    return model, proto
+
+
+def test_dropout_active_in_train_mode(dropout_net):
+    model, proto = dropout_net
+    layer = OnnxModule(proto).train()
+    x = torch.randn(256, 32)
+    y = layer(x)
+    clean = model.eval()(x)
+    zeros = (y == 0).float().mean().item()
+    assert abs(zeros - P) < 0.03, zeros  # same rate as torch's Dropout
+    kept = y != 0
+    torch.testing.assert_close(y[kept], clean[kept] / (1 - P), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        layer(x).ne(0).float().mean(), torch.tensor(1 - P), atol=0.03, rtol=0
+    )
+    assert not torch.equal(layer(x), layer(x))  # random, like torch's
+    with torch.no_grad():
+        assert (layer(x) == 0).float().mean().item() == pytest.approx(P, abs=0.03)
+
+
+def test_dropout_gradient_follows_mask(dropout_net):
+    _, proto = dropout_net
+    layer = OnnxModule(proto).train()
+    x = torch.randn(64, 32, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    bias_grad = layer.get_parameter("0.bias").grad
+    torch.testing.assert_close(bias_grad, (y != 0).float().sum(0) / (1 - P))
+
+
+def test_dropout_off_in_eval_mode(dropout_net):
+    model, proto = dropout_net
+    model = copy.deepcopy(model).eval()
+    layer = OnnxModule(proto).eval()
+    x = torch.randn(16, 32)
+    torch.testing.assert_close(layer(x), layer(x), rtol=0, atol=0)
+    compare_with_torch(model, layer, [x.requires_grad_()])
+
+
+@pytest.fixture(scope="module")
+def bn_net():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 2))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    return model.eval(), export(model.eval(), (torch.randn(4, 6),))
+
+
+def test_batchnorm_eval_uses_running_statistics_and_trains(bn_net):
+    model, proto = bn_net
+    model = copy.deepcopy(model).eval()
+    layer = OnnxModule(proto).eval()
+    before = layer.get_buffer("1.running_mean").clone()
+    compare_with_torch(model, layer, [torch.randn(7, 6, requires_grad=True)])
+    assert torch.equal(layer.get_buffer("1.running_mean"), before)
+    assert layer.get_parameter("1.weight").grad is not None
+
+
+def test_batchnorm_train_updates_running_statistics(bn_net):
+    model, proto = bn_net
+    model = copy.deepcopy(model).train()
+    layer = OnnxModule(proto).train()
+    for _ in range(3):
+        x = torch.randn(8, 6, requires_grad=True)
+        compare_with_torch(model, layer, [x])
+        model.zero_grad()
+        layer.zero_grad()
+    for name in ("1.running_mean", "1.running_var"):
+        torch.testing.assert_close(layer.get_buffer(name), model.get_buffer(name))
+    with torch.no_grad():  # torch's BatchNorm also updates them without grad
+        x = torch.randn(8, 6)
+        torch.testing.assert_close(layer(x), model(x))
+    torch.testing.assert_close(layer.get_buffer("1.running_var"), model.get_buffer("1.running_var"))
+
+
+def test_batchnorm_frozen_keeps_running_statistics_in_train_mode(bn_net):
+    model, proto = bn_net
+    model = copy.deepcopy(model).eval()  # torch's reference: BatchNorm in eval mode
+    layer = OnnxModule(proto, batch_norm="frozen").train()
+    before = layer.get_buffer("1.running_var").clone()
+    compare_with_torch(model, layer, [torch.randn(8, 6, requires_grad=True)])
+    assert torch.equal(layer.get_buffer("1.running_var"), before)
+    assert layer.get_parameter("1.weight").grad is not None
+
+
+def test_no_grad_runs_plain_inference_session(bn_net):
+    _, proto = bn_net
+    layer = OnnxModule(proto).eval()
+    built = len(layer._bridge._gradient_graphs)
+    with torch.no_grad():
+        y = layer(torch.randn(3, 6))
+    assert y.grad_fn is None
+    assert len(layer._bridge._gradient_graphs) == built
+    assert list(layer._bridge._inference_graphs) == [("eval", torch.device("cpu"))]
+    layer.requires_grad_(False)  # nothing requires grad: inference too
+    y = layer(torch.randn(3, 6))
+    assert y.grad_fn is None and not y.requires_grad
+    assert len(layer._bridge._gradient_graphs) == built
