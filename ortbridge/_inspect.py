@@ -1,0 +1,56 @@
+"""``python -m ortbridge inspect MODEL.onnx``: what OnnxModule would make of a model."""
+
+from __future__ import annotations
+
+import sys
+
+from . import _graph
+from .exceptions import OrtBridgeError
+
+
+def inspect_model(path: str, out=None) -> bool:
+    """Print inputs, outputs, initializers and gradient support; True if it can train."""
+    out = out if out is not None else sys.stdout
+    from .module import OnnxModule
+
+    model = _graph.load_model(path)
+    summary = _graph.summarize(_graph.normalize(_graph.load_model(model)))
+    print(
+        f"graph {summary.name!r}: {len(model.graph.node)} nodes, opsets "
+        + ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import),
+        file=out,
+    )
+    print("inputs:", file=out)
+    for spec in summary.inputs:
+        print(f"  {spec.name}: {spec.dtype} {_shape(spec.shape)}", file=out)
+    print("outputs:", file=out)
+    for spec in summary.outputs:
+        print(f"  {spec.name}: {spec.dtype} {_shape(spec.shape)}", file=out)
+    try:
+        module = OnnxModule(model)
+        trainable = {name for name, _ in module.named_onnx_parameters()}
+        verdict, ok = "a gradient graph can be built", True
+    except OrtBridgeError as exc:
+        trainable = summary.differentiable_initializers
+        verdict, ok = f"no gradient graph: {exc}", False
+    print(f"float initializers ({len(summary.float_initializers)}):", file=out)
+    total = 0
+    for name, array in summary.float_initializers.items():
+        kind = "trainable" if name in trainable else "frozen"
+        total += array.size
+        print(
+            f"  {name}: {kind:9s} {array.dtype} {tuple(array.shape)} ({array.size:,} values)",
+            file=out,
+        )
+    n_other = len(model.graph.initializer) - len(summary.float_initializers)
+    print(
+        f"  ({total:,} values in all; {n_other} non-float initializers kept as constants)", file=out
+    )
+    print(f"training: {verdict}", file=out)
+    return ok
+
+
+def _shape(shape) -> str:
+    if shape is None:
+        return "(unknown shape)"
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
