@@ -17,7 +17,7 @@ _INSTALL_HINT = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def onnxruntime():
     """Return the ``onnxruntime`` module, checking it is a training build."""
     try:

@@ -55,7 +55,7 @@ def test_conv_batchnorm_pool(cnn, mode):
     layer = OnnxModule(proto)
     getattr(model, mode)()
     getattr(layer, mode)()
-    for step in range(2):  # the second step sees updated running statistics
+    for _ in range(2):  # the second step sees updated running statistics
         model.zero_grad()
         layer.zero_grad()
         x = torch.randn(5, 2, 8, 8, requires_grad=True)
