@@ -220,13 +220,33 @@ def test_update_graph_is_one_valid_model():
     """Every parameter of every group and dtype in one checked model, no copies."""
     import onnx
 
-    momentum = _sgd._Flags(velocity=True, nesterov=True, l2=True, l1=True)
-    plain = _sgd._Flags(velocity=False, nesterov=False, l2=False, l1=False)
+    momentum = _sgd._Flags(True, True, True, True, unit_grad=False, unit_step=False)
+    plain = _sgd._Flags(False, False, False, False, unit_grad=False, unit_step=False)
     sets = ((TensorProto.FLOAT, momentum), (TensorProto.DOUBLE, plain))
-    model = _sgd.build_update_graph((sets, (0, 1, 0)))
+    model = _sgd.build_update_graph((sets, ((0, 2), (1, 1), (0, 1))))
     onnx.checker.check_model(model, full_check=True)
     assert [o.name for o in model.graph.output] == [
         "w0_new", "v0_new", "w1_new", "w2_new", "v2_new",
     ]  # fmt: skip
     assert "Identity" not in {n.op_type for n in model.graph.node}
     assert model.ir_version == 10
+
+
+def test_scalar_and_mixed_dtype_parameters():
+    """0-d parameters, and float32 beside float64 in one group (two sets of scalars)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [((), torch.float32), ((3,), torch.float64), ((2, 2), torch.float32)]
+    start = [torch.randn(s, generator=gen, dtype=d) for s, d in shapes]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = OrtSGD(ours, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    opt_ref = torch.optim.SGD(ref, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    for _ in range(5):
+        for p, q in zip(ours, ref):
+            g = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        opt_ref.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), q.detach())
+    assert len(next(iter(opt._updates.values())).scalars) == 2

@@ -15,6 +15,9 @@ scalar inputs. With ``g`` the gradient, a group's update is::
     w  = w + s v            or, Nesterov:  w = w + s (mu v + c g')
     w  = w + s c g'                        (without momentum)
 
+computed in torch.optim.SGD's order of operations (so that float32 rounds the
+same way), leaving out the multiplications by a coefficient that is always 1.
+
 :class:`OrtSGD` follows :class:`torch.optim.SGD` (``a = c = 1``,
 ``d = weight_decay``, ``e = 0``, ``s = -lr``); :class:`SklearnSGD` follows
 scikit-learn's ``MLPRegressor`` (``a = 1 / batch``, ``d`` and ``e`` the
@@ -30,7 +33,8 @@ topological order; the tests check values and addresses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,40 +48,49 @@ from ..exceptions import OnnxInputError, OnnxTypeError
 _ELEM = {torch.float32: TensorProto.FLOAT, torch.float64: TensorProto.DOUBLE}
 
 
-@dataclass(frozen=True)
-class _Flags:
+class _Flags(NamedTuple):
     """What the update of a group computes (part of the graph's cache key)."""
 
     velocity: bool
     nesterov: bool
     l2: bool
     l1: bool
+    #: The gradient's coefficient (``c a`` with a velocity, ``a`` without) is 1.
+    unit_grad: bool
+    #: ``s`` is 1.
+    unit_step: bool
 
-    def scalar_names(self) -> tuple[str, ...]:
-        if self.velocity:
-            names = ["mu", "ca"]
-            names += ["cd"] if self.l2 else []
-            names += ["ce"] if self.l1 else []
-            return (*names, "s")
-        if self.l2 or self.l1:
-            names = ["a"]
-            names += ["d"] if self.l2 else []
-            names += ["e"] if self.l1 else []
-            return (*names, "sc")
-        return ("ka",)
 
-    def scalar_values(self, a, d, e, c, s, mu) -> list[float]:
-        """The scalars the graph multiplies by, from the coefficients of the rule."""
-        values = {"mu": mu, "ca": c * a, "cd": c * d, "ce": c * e, "s": s,
-                  "a": a, "d": d, "e": e, "sc": s * c, "ka": s * c * a}  # fmt: skip
-        return [values[name] for name in self.scalar_names()]
+@functools.cache
+def _scalar_names(flags: _Flags) -> tuple[str, ...]:
+    """Names of the scalar inputs a group's update multiplies by."""
+    if flags.velocity:
+        names = [] if flags.unit_grad else ["ca"]
+        names += ["cd"] if flags.l2 else []
+        names += ["ce"] if flags.l1 else []
+        names += ["mu"]
+        return (*names, *([] if flags.unit_step else ["s"]))
+    if flags.l2 or flags.l1:
+        names = [] if flags.unit_grad else ["a"]
+        names += ["d"] if flags.l2 else []
+        names += ["e"] if flags.l1 else []
+        return (*names, "sc")
+    return ("ka",)
+
+
+def _scalar_values(flags: _Flags, a, d, e, c, s, mu) -> list[float]:
+    """The scalars of :func:`_scalar_names` from the coefficients of the rule."""
+    values = {"ca": c * a, "cd": c * d, "ce": c * e, "mu": mu, "s": s,
+              "a": a, "d": d, "e": e, "sc": s * c, "ka": s * c * a}  # fmt: skip
+    return [values[name] for name in _scalar_names(flags)]
 
 
 def _update_nodes(i, k, flags):
     """Nodes updating parameter ``i`` with the scalars of set ``k``.
 
     The operations are torch.optim.SGD's, in its order, so that float32
-    results round the same way.
+    results round the same way; a multiplication by a coefficient that is
+    always 1 is left out.
     """
     w, g, v = f"w{i}", f"g{i}", f"v{i}"
 
@@ -96,19 +109,19 @@ def _update_nodes(i, k, flags):
         return nodes
     # The gradient with its penalty terms, times c when there is a velocity.
     pre = "c" if flags.velocity else ""
-    add(make("Mul", [sc(f"{pre}a"), g], [t("ga")]))
-    terms = [t("ga")]
+    grad = g
+    if not flags.unit_grad:
+        add(make("Mul", [sc(f"{pre}a"), g], [t("ga")]))
+        grad = t("ga")
     if flags.l2:
         add(make("Mul", [sc(f"{pre}d"), w], [t("dw")]))
-        terms.append(t("dw"))
+        add(make("Add", [grad, t("dw")], [t("g_l2")]))
+        grad = t("g_l2")
     if flags.l1:
         add(make("Sign", [w], [t("sign")]))
         add(make("Mul", [sc(f"{pre}e"), t("sign")], [t("ew")]))
-        terms.append(t("ew"))
-    grad = terms[0]
-    for j, term in enumerate(terms[1:]):
-        add(make("Add", [grad, term], [t(f"sum{j}")]))
-        grad = t(f"sum{j}")
+        add(make("Add", [grad, t("ew")], [t("g_l1")]))
+        grad = t("g_l1")
     if not flags.velocity:
         add(make("Mul", [sc("sc"), grad], [t("step")]))
         add(make("Add", [w, t("step")], [f"w{i}_new"]))
@@ -116,13 +129,15 @@ def _update_nodes(i, k, flags):
     # v is read (mu v) before v_new, written into v's memory, is computed.
     add(make("Mul", [sc("mu"), v], [t("mv")]))
     add(make("Add", [t("mv"), grad], [f"v{i}_new"]))
-    direction = f"v{i}_new"
+    step = f"v{i}_new"
     if flags.nesterov:
         add(make("Mul", [sc("mu"), f"v{i}_new"], [t("mvn")]))
         add(make("Add", [t("mvn"), grad], [t("nesterov")]))
-        direction = t("nesterov")
-    add(make("Mul", [sc("s"), direction], [t("step")]))
-    add(make("Add", [w, t("step")], [f"w{i}_new"]))
+        step = t("nesterov")
+    if not flags.unit_step:
+        add(make("Mul", [sc("s"), step], [t("step")]))
+        step = t("step")
+    add(make("Add", [w, step], [f"w{i}_new"]))
     return nodes
 
 
@@ -131,30 +146,33 @@ def build_update_graph(layout):
 
     ``layout`` is a tuple ``(sets, params)``: ``sets`` lists ``(elem_type,
     flags)`` for each set of scalars (a parameter group and a dtype), ``params``
-    the index of the set of each parameter. Inputs are the scalars ``k<set>_<name>``
-    (shape ``(1,)``), then ``w<i>``, ``g<i>`` and, with momentum, ``v<i>`` for
-    each parameter (1-D); outputs are ``w<i>_new`` and ``v<i>_new``.
+    ``(set index, rank)`` of each parameter (a 0-d parameter is bound as 1-D).
+    Inputs are the scalars ``k<set>_<name>`` (shape ``(1,)``), then ``w<i>``,
+    ``g<i>`` and, with momentum, ``v<i>`` for each parameter; outputs are
+    ``w<i>_new`` and ``v<i>_new``.
     """
     sets, params = layout
     inputs, outputs, nodes = [], [], []
     for k, (elem, flags) in enumerate(sets):
-        for name in flags.scalar_names():
+        for name in _scalar_names(flags):
             inputs.append(helper.make_tensor_value_info(f"k{k}_{name}", elem, [1]))
-    for i, k in enumerate(params):
+    for i, (k, rank) in enumerate(params):
         elem, flags = sets[k]
+        shape = [f"n{i}_{axis}" for axis in range(rank)]
         names = ["w", "g"] + (["v"] if flags.velocity else [])
         for name in names:
-            inputs.append(helper.make_tensor_value_info(f"{name}{i}", elem, [f"n{i}"]))
-        outputs.append(helper.make_tensor_value_info(f"w{i}_new", elem, [f"n{i}"]))
+            inputs.append(helper.make_tensor_value_info(f"{name}{i}", elem, shape))
+        outputs.append(helper.make_tensor_value_info(f"w{i}_new", elem, shape))
         if flags.velocity:
-            outputs.append(helper.make_tensor_value_info(f"v{i}_new", elem, [f"n{i}"]))
+            outputs.append(helper.make_tensor_value_info(f"v{i}_new", elem, shape))
         nodes += _update_nodes(i, k, flags)
     graph = helper.make_graph(nodes, "ortbridge_sgd", inputs, outputs)
     return make_model(graph)
 
 
 def _ortvalue(tensor):
-    return capi().OrtValue.from_dlpack(to_dlpack(tensor), False)
+    # A 0-d tensor times a (1,) scalar would give (1,): bind it as (1,).
+    return capi().OrtValue.from_dlpack(to_dlpack(tensor if tensor.dim() else tensor.view(1)), False)
 
 
 class _Update:
@@ -172,25 +190,27 @@ class _Update:
         self.session = ort.InferenceSession(
             model.SerializeToString(), options, providers=["CPUExecutionProvider"]
         )
-        self.binding = capi().SessionIOBinding(self.session._sess)
         self.run_options = capi().RunOptions()
         sets, params = layout
+        self.binding = capi().SessionIOBinding(self.session._sess)
         self.scalars = []
         for k, (elem, flags) in enumerate(sets):
             dtype = torch.float32 if elem == TensorProto.FLOAT else torch.float64
-            names = flags.scalar_names()
+            names = _scalar_names(flags)
             buffer = torch.zeros(len(names), dtype=dtype)
             for j, name in enumerate(names):
                 self.binding.bind_ortvalue_input(f"k{k}_{name}", _ortvalue(buffer[j : j + 1]))
             self.scalars.append(buffer.numpy())
-        n = len(params)
-        # Address of the memory bound to each parameter, gradient and velocity.
-        self.bound_w, self.bound_g, self.bound_v = [None] * n, [None] * n, [None] * n
+        self.forget()
+
+    def forget(self):
+        """Forget what is bound: the next step binds every tensor again."""
+        self.bound_w, self.bound_g, self.bound_v = {}, {}, {}
 
     def bind(self, name, tensor, output=None):
         # The OrtValue holds a reference to the tensor (through DLPack): while it
         # is bound, no other tensor can get the same address.
-        value = _ortvalue(tensor.view(-1))
+        value = _ortvalue(tensor)
         self.binding.bind_ortvalue_input(name, value)
         if output is not None:
             self.binding.bind_ortvalue_output(output, value)
@@ -199,16 +219,15 @@ class _Update:
         self.session._sess.run_with_iobinding(self.binding, self.run_options)
 
 
-class _Plan:
+class _Plan(NamedTuple):
     """What one step does, reused while the same parameters have gradients."""
 
-    def __init__(self, key, update, entries, set_groups):
-        self.key = key
-        self.update = update
-        #: (index, parameter, group index, position in group, has velocity)
-        self.entries = entries
-        #: (flags, group) of each set of scalars, in the update's order.
-        self.set_groups = set_groups
+    key: tuple
+    update: _Update
+    #: (index, parameter, group index, position in group, has velocity)
+    entries: list
+    #: (flags, group) of each set of scalars, in the update's order.
+    set_groups: list
 
 
 class _FusedSGD(torch.optim.Optimizer):
@@ -240,9 +259,13 @@ class _FusedSGD(torch.optim.Optimizer):
         """``(a, d, e, c, s, mu)`` of the update rule of the module docstring."""
         raise NotImplementedError
 
+    def _check_group(self, group, gi) -> None:
+        """Check a group's hyperparameters when a plan is made."""
+
     def _make_plan(self, key, flags):
         sets, set_index, entries, layout_params = [], {}, [], []
         for gi, group in enumerate(self.param_groups):
+            self._check_group(group, gi)
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -256,15 +279,13 @@ class _FusedSGD(torch.optim.Optimizer):
                     set_index[gi, elem] = len(sets)
                     sets.append((elem, flags[gi], group))
                 entries.append((len(entries), p, gi, pi, flags[gi].velocity))
-                layout_params.append(set_index[gi, elem])
+                layout_params.append((set_index[gi, elem], max(p.dim(), 1)))
         layout = (tuple((elem, fl) for elem, fl, _ in sets), tuple(layout_params))
         update = self._updates.get(layout)
         if update is None:
             update = self._updates[layout] = _Update(layout)
         else:
-            # Another plan may have bound other tensors to the same session.
-            n = len(layout_params)
-            update.bound_w, update.bound_g, update.bound_v = [None] * n, [None] * n, [None] * n
+            update.forget()  # another plan may have bound other tensors
         return _Plan(key, update, entries, [(fl, group) for _, fl, group in sets])
 
     def _check_grad(self, p, grad, gi, pi):
@@ -281,7 +302,7 @@ class _FusedSGD(torch.optim.Optimizer):
             )
         return grad if grad.is_contiguous() else grad.contiguous()
 
-    def _velocity(self, p, gi, pi):
+    def _new_velocity(self, p, gi, pi):
         state = self.state[p]
         velocity = state.get(self._velocity_key)
         if velocity is None:
@@ -298,10 +319,9 @@ class _FusedSGD(torch.optim.Optimizer):
 
     def _step(self):
         """One update of every parameter that has a gradient (no closure, no hooks)."""
-        flags = tuple(self._flags(group) for group in self.param_groups)
-        with_grad = tuple(
-            id(p) for group in self.param_groups for p in group["params"] if p.grad is not None
-        )
+        groups = self.param_groups
+        flags = tuple(self._flags(group) for group in groups)
+        with_grad = tuple(id(p) for group in groups for p in group["params"] if p.grad is not None)
         if not with_grad:
             return
         key = (flags, with_grad)
@@ -310,28 +330,29 @@ class _FusedSGD(torch.optim.Optimizer):
             plan = self._plan = self._make_plan(key, flags)
         update = plan.update
         for (fl, group), scalars in zip(plan.set_groups, update.scalars):
-            scalars[:] = fl.scalar_values(*self._coefficients(group))
+            scalars[:] = _scalar_values(fl, *self._coefficients(group))
         bound_w, bound_g, bound_v = update.bound_w, update.bound_g, update.bound_v
+        state, velocity_key = self.state, self._velocity_key
         touched = []
         for i, p, gi, pi, has_velocity in plan.entries:
-            grad = p.grad
-            ptr = p.data_ptr()
-            if bound_w[i] != ptr:
+            if bound_w.get(i) != p.data_ptr():
                 if not p.is_contiguous():
                     raise OnnxInputError(
                         f"parameter {pi} of group {gi} (shape {tuple(p.shape)}) is not "
                         "contiguous: onnxruntime reads contiguous memory only"
                     )
                 update.bind(f"w{i}", p, f"w{i}_new")
-                bound_w[i] = ptr
-            if bound_g[i] != grad.data_ptr():
+                bound_w[i] = p.data_ptr()
+            grad = p.grad
+            if bound_g.get(i) != grad.data_ptr():
                 grad = self._check_grad(p, grad, gi, pi)
                 update.bind(f"g{i}", grad)
                 bound_g[i] = grad.data_ptr()
             touched.append(p)
             if has_velocity:
-                velocity = self._velocity(p, gi, pi)
-                if bound_v[i] != velocity.data_ptr():
+                velocity = state[p].get(velocity_key)
+                if velocity is None or bound_v.get(i) != velocity.data_ptr():
+                    velocity = self._new_velocity(p, gi, pi)
                     update.bind(f"v{i}", velocity, f"v{i}_new")
                     bound_v[i] = velocity.data_ptr()
                 touched.append(velocity)
@@ -411,19 +432,18 @@ class OrtSGD(_FusedSGD):
         }
         super().__init__(params, defaults)
 
-    def _flags(self, group):
+    def _check_group(self, group, gi):
         _check_hyper(
             lr=group["lr"],
             momentum=group["momentum"],
             weight_decay=group["weight_decay"],
             nesterov=group["nesterov"],
         )
-        return _Flags(
-            velocity=group["momentum"] != 0,
-            nesterov=bool(group["nesterov"]),
-            l2=group["weight_decay"] != 0,
-            l1=False,
-        )
+
+    def _flags(self, group):
+        momentum = group["momentum"] != 0
+        return _Flags(momentum, momentum and bool(group["nesterov"]),
+                      group["weight_decay"] != 0, False, True, False)  # fmt: skip
 
     def _coefficients(self, group):
         lr = float(group["lr"])
@@ -477,17 +497,16 @@ class SklearnSGD(_FusedSGD):
         super().__setstate__(state)
         self.__dict__.setdefault("grad_scale", 1.0)
 
+    def _check_group(self, group, gi):
+        _check_hyper(lr=group["lr"], momentum=group["momentum"], alpha=group["alpha"])
+        if not 0 <= group["l1_ratio"] <= 1:
+            raise OnnxInputError(f"l1_ratio must be in [0, 1], got {group['l1_ratio']}")
+
     def _flags(self, group):
-        alpha, l1_ratio = group["alpha"], group["l1_ratio"]
-        _check_hyper(lr=group["lr"], momentum=group["momentum"], alpha=alpha)
-        if not 0 <= l1_ratio <= 1:
-            raise OnnxInputError(f"l1_ratio must be in [0, 1], got {l1_ratio}")
-        return _Flags(
-            velocity=group["momentum"] != 0,
-            nesterov=bool(group["nesterov"]) and group["momentum"] != 0,
-            l2=alpha != 0 and l1_ratio != 1,
-            l1=alpha != 0 and l1_ratio != 0,
-        )
+        momentum = group["momentum"] != 0
+        alpha, l1_ratio = group["alpha"] != 0, group["l1_ratio"]
+        return _Flags(momentum, momentum and bool(group["nesterov"]),
+                      alpha and l1_ratio != 1, alpha and l1_ratio != 0, False, True)  # fmt: skip
 
     def _coefficients(self, group):
         a = float(self.grad_scale)
