@@ -10,7 +10,7 @@ import onnx
 import torch
 
 from . import _graph
-from ._runtime import GradientGraph, InferenceGraph
+from ._runtime import GradientGraph, InferenceGraph, current_stream
 
 
 class Bridge:
@@ -51,7 +51,7 @@ class Bridge:
         return _graph.weights_as_inputs(model, self.weight_names), extra
 
     def gradient_graph(self, mode: str, needs_grad, device: torch.device) -> GradientGraph:
-        key = (mode, tuple(needs_grad), device)
+        key = (mode, tuple(needs_grad), device, current_stream(device))
         graph = self._gradient_graphs.get(key)
         if graph is None:
             n_in = len(self.input_names)
@@ -70,7 +70,7 @@ class Bridge:
         return graph
 
     def inference_graph(self, mode: str, device: torch.device) -> InferenceGraph:
-        key = (mode, device)
+        key = (mode, device, current_stream(device))
         graph = self._inference_graphs.get(key)
         if graph is None:
             model, _ = self._variant(mode, for_gradient=False)

@@ -41,14 +41,35 @@ def default_session_options(device: torch.device):
     return so
 
 
-def providers_for(device: torch.device, providers=None) -> list:
-    """Execution providers for ``device`` unless the user chose them."""
-    if providers is not None:
-        return list(providers)
+def current_stream(device: torch.device) -> int | None:
+    """Handle of torch's current CUDA stream on ``device`` (None on CPU).
+
+    onnxruntime queues its kernels on this stream (``user_compute_stream``),
+    so they are ordered with torch's work without any synchronisation;
+    sessions are cached per stream, a non-default stream gets its own.
+    """
     if device.type == "cuda":
-        options = {"device_id": device.index or 0}
-        return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
+        return torch.cuda.current_stream(device).cuda_stream
+    return None
+
+
+def providers_for(device: torch.device, providers=None) -> list:
+    """Execution providers for ``device``; on CUDA, bound to torch's current stream."""
+    if device.type != "cuda":
+        return list(providers) if providers is not None else ["CPUExecutionProvider"]
+    cuda_options = {
+        "device_id": str(device.index or 0),
+        "user_compute_stream": str(current_stream(device)),
+    }
+    if providers is None:
+        return [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
+    chosen = []
+    for provider in providers:
+        name, options = provider if isinstance(provider, tuple) else (provider, {})
+        if name == "CUDAExecutionProvider":
+            options = {**cuda_options, **options}
+        chosen.append((name, options) if options else name)
+    return chosen
 
 
 def ort_device(device: torch.device):

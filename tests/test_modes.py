@@ -116,7 +116,7 @@ def test_no_grad_runs_plain_inference_session(bn_net):
         y = layer(torch.randn(3, 6))
     assert y.grad_fn is None
     assert len(layer._bridge._gradient_graphs) == built
-    assert list(layer._bridge._inference_graphs) == [("eval", torch.device("cpu"))]
+    assert list(layer._bridge._inference_graphs) == [("eval", torch.device("cpu"), None)]
     layer.requires_grad_(False)  # nothing requires grad: inference too
     y = layer(torch.randn(3, 6))
     assert y.grad_fn is None and not y.requires_grad
