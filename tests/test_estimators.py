@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import doctest
+import importlib
 import pickle
 import warnings
 
@@ -334,3 +336,13 @@ def test_schedules_and_penalty_run(data):
     assert np.abs(fits[0.0]["weight"]).max() > 1.5
     assert np.abs(fits[300.0]["weight"]).max() < 0.15
     assert fits[300.0]["bias"][0] > 4
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["ortbridge.training._losses", "ortbridge.training._sgd", "ortbridge.training._estimators"],
+)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no example"
+    assert result.failed == 0

@@ -224,10 +224,12 @@ class _Plan(NamedTuple):
 
     key: tuple
     update: _Update
-    #: (index, parameter, group index, position in group, has velocity)
+    #: (index, parameter, group index, position in group, its state or None)
     entries: list
     #: (flags, group) of each set of scalars, in the update's order.
     set_groups: list
+    #: ``optimizer.state`` when the plan was made (``load_state_dict`` replaces it).
+    state: dict
 
 
 class _FusedSGD(torch.optim.Optimizer):
@@ -278,7 +280,8 @@ class _FusedSGD(torch.optim.Optimizer):
                 if (gi, elem) not in set_index:
                     set_index[gi, elem] = len(sets)
                     sets.append((elem, flags[gi], group))
-                entries.append((len(entries), p, gi, pi, flags[gi].velocity))
+                pstate = self.state[p] if flags[gi].velocity else None
+                entries.append((len(entries), p, gi, pi, pstate))
                 layout_params.append((set_index[gi, elem], max(p.dim(), 1)))
         layout = (tuple((elem, fl) for elem, fl, _ in sets), tuple(layout_params))
         update = self._updates.get(layout)
@@ -286,7 +289,8 @@ class _FusedSGD(torch.optim.Optimizer):
             update = self._updates[layout] = _Update(layout)
         else:
             update.forget()  # another plan may have bound other tensors
-        return _Plan(key, update, entries, [(fl, group) for _, fl, group in sets])
+        set_groups = [(fl, group) for _, fl, group in sets]
+        return _Plan(key, update, entries, set_groups, self.state)
 
     def _check_grad(self, p, grad, gi, pi):
         if grad.is_sparse:
@@ -320,37 +324,38 @@ class _FusedSGD(torch.optim.Optimizer):
     def _step(self):
         """One update of every parameter that has a gradient (no closure, no hooks)."""
         groups = self.param_groups
-        flags = tuple(self._flags(group) for group in groups)
-        with_grad = tuple(id(p) for group in groups for p in group["params"] if p.grad is not None)
+        flags = tuple([self._flags(group) for group in groups])
+        with_grad = [id(p) for group in groups for p in group["params"] if p.grad is not None]
         if not with_grad:
             return
-        key = (flags, with_grad)
         plan = self._plan
-        if plan is None or plan.key != key:
-            plan = self._plan = self._make_plan(key, flags)
+        if plan is None or plan.key != (flags, with_grad) or plan.state is not self.state:
+            plan = self._plan = self._make_plan((flags, with_grad), flags)
         update = plan.update
         for (fl, group), scalars in zip(plan.set_groups, update.scalars):
             scalars[:] = _scalar_values(fl, *self._coefficients(group))
         bound_w, bound_g, bound_v = update.bound_w, update.bound_g, update.bound_v
-        state, velocity_key = self.state, self._velocity_key
+        velocity_key = self._velocity_key
         touched = []
-        for i, p, gi, pi, has_velocity in plan.entries:
-            if bound_w.get(i) != p.data_ptr():
+        for i, p, gi, pi, pstate in plan.entries:
+            ptr = p.data_ptr()
+            if bound_w.get(i) != ptr:
                 if not p.is_contiguous():
                     raise OnnxInputError(
                         f"parameter {pi} of group {gi} (shape {tuple(p.shape)}) is not "
                         "contiguous: onnxruntime reads contiguous memory only"
                     )
                 update.bind(f"w{i}", p, f"w{i}_new")
-                bound_w[i] = p.data_ptr()
+                bound_w[i] = ptr
             grad = p.grad
-            if bound_g.get(i) != grad.data_ptr():
+            ptr = grad.data_ptr()
+            if bound_g.get(i) != ptr:
                 grad = self._check_grad(p, grad, gi, pi)
                 update.bind(f"g{i}", grad)
                 bound_g[i] = grad.data_ptr()
             touched.append(p)
-            if has_velocity:
-                velocity = state[p].get(velocity_key)
+            if pstate is not None:
+                velocity = pstate.get(velocity_key)
                 if velocity is None or bound_v.get(i) != velocity.data_ptr():
                     velocity = self._new_velocity(p, gi, pi)
                     update.bind(f"v{i}", velocity, f"v{i}_new")

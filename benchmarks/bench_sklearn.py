@@ -1,0 +1,192 @@
+"""Fit the same MLP with scikit-learn's MLPRegressor and ortbridge's OnnxSGDRegressor.
+
+Compared, in one process, on the same data, the same starting weights and the
+same hyperparameters (SGD, constant learning rate, Nesterov momentum, no
+penalty):
+
+- ``scikit-learn``: ``MLPRegressor(hidden_layer_sizes=(50, 10), solver="sgd")``,
+  forward, backward and update in numpy;
+- ``ortbridge``: :class:`ortbridge.training.OnnxSGDRegressor` on the ONNX
+  conversion (skl2onnx) of that network: forward and backward of the model
+  and its loss by onnxruntime through :class:`ortbridge.OnnxModule`, the update
+  of every weight by one onnxruntime call (:class:`ortbridge.training.OrtSGD`'s
+  machinery) per batch.
+
+Both start from an ``MLPRegressor`` fitted for one epoch (then converted); by
+default neither shuffles, so both see the batches in the same order and must
+end at the same loss (the estimator follows scikit-learn's update rule).
+``ortbridge`` is timed in two parts: building the training graph and the first
+epoch, then the remaining epochs.
+
+Hypothesis: onnxruntime's kernels are not slower than numpy's, so the ratio is
+set by the fixed cost of a batch: three onnxruntime calls (forward, backward,
+update) plus torch's autograd and Python against scikit-learn's numpy calls.
+The target is ortbridge <= 0.5x scikit-learn's time at an equal or better
+loss; onnxcustom's original fallback training was about 0.95x.
+
+    python benchmarks/bench_sklearn.py --rows 1000 --features 100 --batch 15 --epochs 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import time
+import warnings
+
+import numpy as np
+import onnxruntime
+import sklearn
+import torch
+from skl2onnx import to_onnx
+from sklearn.datasets import make_regression
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.neural_network import MLPRegressor
+
+import ortbridge
+from ortbridge.training import OnnxSGDRegressor, OrtSGD
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=1000)
+    parser.add_argument("--features", type=int, default=100)
+    parser.add_argument("--hidden", default="50,10", help="hidden layer sizes")
+    parser.add_argument("--batch", type=int, default=15)
+    parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning_rate_init")
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--shuffle", action="store_true", help="shuffle every epoch")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each, median kept")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave)")
+    parser.add_argument("--output", help="write the figures as JSON to this file")
+    return parser.parse_args()
+
+
+def data(rows, features, seed=0):
+    X, y = make_regression(rows, features, n_informative=10, noise=5.0, random_state=seed)
+    X = (X / X.std(axis=0)).astype(np.float32)
+    y = ((y - y.mean()) / y.std()).astype(np.float32)
+    return X, y
+
+
+def hyperparameters(args):
+    return dict(
+        learning_rate="constant",
+        learning_rate_init=args.lr,
+        momentum=args.momentum,
+        nesterovs_momentum=True,
+        alpha=0.0,
+        batch_size=args.batch,
+        shuffle=args.shuffle,
+        random_state=0,
+    )
+
+
+def start(X, y, hidden, hyper):
+    """An MLPRegressor after one epoch, and its ONNX conversion."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        mlp = MLPRegressor(hidden_layer_sizes=hidden, solver="sgd", max_iter=1, **hyper)
+        mlp.fit(X, y)
+    return mlp, to_onnx(mlp, X[:1], target_opset=18)
+
+
+def time_sklearn(start_mlp, X, y, epochs):
+    mlp = copy.deepcopy(start_mlp)
+    del mlp._optimizer  # a new SGD optimizer with zero velocities, as ortbridge starts with
+    mlp.set_params(warm_start=True, max_iter=epochs, tol=0.0, n_iter_no_change=epochs + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        begin = time.perf_counter()
+        mlp.fit(X, y)
+        elapsed = time.perf_counter() - begin
+    return elapsed, float(mlp.loss_)
+
+
+def time_ortbridge(onx, X, y, epochs, hyper):
+    reg = OnnxSGDRegressor(onx, max_iter=1, **hyper)
+    begin = time.perf_counter()
+    reg.fit(X, y)
+    first = time.perf_counter() - begin
+    reg.set_params(warm_start=True, max_iter=epochs - 1)
+    begin = time.perf_counter()
+    if epochs > 1:
+        reg.fit(X, y)
+    rest = time.perf_counter() - begin
+    return first, rest, float(reg.loss_)
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hidden = tuple(int(h) for h in args.hidden.split(","))
+    X, y = data(args.rows, args.features)
+    hyper = hyperparameters(args)
+    mlp, onx = start(X, y, hidden, hyper)
+    # The first torch optimizer of a process imports torch._dynamo (about 1.5 s):
+    # a cost of the process, not of a fit, paid here before any timing.
+    OrtSGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    runs = {"sklearn": [], "first": [], "rest": []}
+    losses = {}
+    for _ in range(args.repeat):
+        elapsed, losses["sklearn"] = time_sklearn(mlp, X, y, args.epochs)
+        runs["sklearn"].append(elapsed)
+        first, rest, losses["ortbridge"] = time_ortbridge(onx, X, y, args.epochs, hyper)
+        runs["first"].append(first)
+        runs["rest"].append(rest)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    sk, first, rest = med["sklearn"], med["first"], med["rest"]
+    epoch = rest / max(args.epochs - 1, 1)
+    sk_epoch = sk / args.epochs
+
+    print(
+        f"MLP {args.features}-{'-'.join(map(str, hidden))}-1, {args.rows} rows, "
+        f"batch {args.batch}, {args.epochs} epochs, shuffle={args.shuffle}, "
+        f"median of {args.repeat} runs"
+    )
+    print(f"{'':28s} {'time (s)':>10s} {'final loss':>12s} {'ratio':>7s}")
+    print(f"{'scikit-learn MLPRegressor':28s} {sk:10.3f} {losses['sklearn']:12.6f} {1:7.2f}")
+    total = first + rest
+    print(
+        f"{'ortbridge OnnxSGDRegressor':28s} {total:10.3f} {losses['ortbridge']:12.6f} "
+        f"{total / sk:7.2f}"
+    )
+    print(f"{'  build + first epoch':28s} {first:10.3f}")
+    print(f"{'  one epoch':28s} {epoch:10.4f} {'':12s} {epoch / sk_epoch:7.2f}")
+    figures = {
+        "args": vars(args),
+        "sklearn_s": sk,
+        "ortbridge_s": total,
+        "ortbridge_build_and_first_epoch_s": first,
+        "ratio": total / sk,
+        "ratio_per_epoch": epoch / sk_epoch,
+        "losses": losses,
+        "runs": runs,
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "versions": {
+            "ortbridge": ortbridge.__version__,
+            "onnxruntime": onnxruntime.__version__,
+            "torch": torch.__version__,
+            "scikit-learn": sklearn.__version__,
+            "numpy": np.__version__,
+        },
+    }
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(figures, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
