@@ -110,6 +110,12 @@ class OnnxModule(nn.Module):
         self._onnx_names[name] = path
 
     def _build_bridge(self) -> None:
+        # Expected dtypes, computed once: forward checks every call against them.
+        self._input_dtypes = [_torch_dtype(spec) for spec in self._summary.inputs]
+        self._weight_dtypes = [
+            _TORCH_DTYPES.get(self._summary.float_initializers[n].dtype.str)
+            for n in self._weight_names
+        ]
         self._bridge = Bridge(
             self._summary_model(),
             [s.name for s in self._summary.inputs],
@@ -217,8 +223,10 @@ class OnnxModule(nn.Module):
         weights = self._weights()
         self._check_weights(weights)
         device = weights[0].device if weights else inputs[0].device
-        specs = self._summary.inputs
-        inputs = [self._check_input(spec, t, device) for spec, t in zip(specs, inputs)]
+        inputs = [
+            self._check_input(spec, dtype, t, device)
+            for spec, dtype, t in zip(self._summary.inputs, self._input_dtypes, inputs)
+        ]
         tensors = inputs + weights
         mode = _graph.TRAIN if self.training else _graph.EVAL
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -250,12 +258,11 @@ class OnnxModule(nn.Module):
             )
         return bound
 
-    def _check_input(self, spec, tensor, device) -> torch.Tensor:
+    def _check_input(self, spec, expected, tensor, device) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise OnnxTypeError(
                 f"input {spec.name!r} must be a torch.Tensor, got {type(tensor).__name__}"
             )
-        expected = _torch_dtype(spec)
         if tensor.dtype != expected:
             if tensor.is_floating_point() and expected.is_floating_point and _autocasting(tensor):
                 tensor = tensor.to(expected)
@@ -277,9 +284,8 @@ class OnnxModule(nn.Module):
         return tensor.contiguous()
 
     def _check_weights(self, weights) -> None:
-        for name, tensor in zip(self._weight_names, weights):
-            expected = self._summary.float_initializers[name].dtype
-            if tensor.dtype != _TORCH_DTYPES.get(expected.str, tensor.dtype):
+        for name, expected, tensor in zip(self._weight_names, self._weight_dtypes, weights):
+            if expected is not None and tensor.dtype != expected:
                 raise OrtBridgeError(
                     f"weight {name!r} is {tensor.dtype} but the ONNX graph computes in "
                     f"{expected}: .double()/.half() cannot change an ONNX graph's types; "
