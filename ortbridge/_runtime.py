@@ -105,14 +105,9 @@ def from_ortvalues(vector) -> list[torch.Tensor]:
     return tensors
 
 
-def _session(model_bytes: bytes, device, session_options, providers, training=False):
+def _session(model_bytes: bytes, device, session_options, providers):
     ort = _ort.onnxruntime()
     so = session_options if session_options is not None else default_session_options(device)
-    if training:
-        # With memory patterns, the planner hands the buffers of the forward
-        # outputs (the YieldOp inputs) to backward intermediates although
-        # torch still holds them: outputs changed under the user's feet.
-        so.enable_mem_pattern = False
     try:
         return ort.InferenceSession(model_bytes, so, providers=providers_for(device, providers))
     except Exception as exc:
@@ -195,9 +190,7 @@ class GradientGraph:
         # Which tensor each gradient output belongs to.
         self.grad_targets = [grad_to_name[o.name] for o in gradient.graph.output]
         self.gradient_model = gradient
-        self.session = _session(
-            gradient.SerializeToString(), device, session_options, providers, training=True
-        )
+        self.session = _session(gradient.SerializeToString(), device, session_options, providers)
         dev = ort_device(device)
         n_fw = self.n_user_outputs + len(self.batch_norm_outputs)
         self.agent = C.TrainingAgent(
@@ -218,7 +211,12 @@ class GradientGraph:
             self.agent.run_forward(inputs, outputs, state, None)
         except Exception as exc:
             raise OrtBridgeError(f"onnxruntime failed in the forward pass: {exc}") from exc
-        return from_ortvalues(outputs), state
+        tensors = from_ortvalues(outputs)
+        # The forward outputs live in the execution state's planned memory
+        # (memory patterns), which backward reuses and then frees: torch gets
+        # its own copy. Copying an output is far cheaper than running without
+        # memory patterns (measured: a whole MLP step 25% slower).
+        return [t.clone() for t in tensors], state
 
     def backward(self, grad_outputs: list[torch.Tensor], state) -> dict[str, torch.Tensor]:
         C = _ort.capi()

@@ -130,6 +130,18 @@ def test_outputs_survive_backward_and_later_steps():
         (y**2).sum().backward()
     for y, copy in kept:
         torch.testing.assert_close(y.detach(), copy, rtol=0, atol=0)
+    grads = {n: p.grad for n, p in layer.named_onnx_parameters()}
+    copies = {n: g.clone() for n, g in grads.items()}
+    for _ in range(3):  # later steps do not write into earlier gradients
+        layer.zero_grad(set_to_none=True)
+        layer(torch.randn(9, 8)).sum().backward()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, copies[name], rtol=0, atol=0)
+    with torch.no_grad():
+        first = layer(torch.randn(4, 8))
+        copy = first.clone()
+        layer(torch.randn(4, 8))
+    torch.testing.assert_close(first, copy, rtol=0, atol=0)
 
 
 def test_non_contiguous_input():
