@@ -250,3 +250,33 @@ def test_scalar_and_mixed_dtype_parameters():
     for p, q in zip(ours, ref):
         torch.testing.assert_close(p.detach(), q.detach())
     assert len(next(iter(opt._updates.values())).scalars) == 2
+
+
+def test_state_dicts_interchange_with_torch_sgd():
+    """A state dict of either optimizer loads into the other and training goes on."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(5, generator=gen)
+    grads = [torch.randn(5, generator=gen) for _ in range(4)]
+
+    def run(first, second):
+        w = torch.nn.Parameter(start.clone())
+        opt = first([w], lr=0.1, momentum=0.9, nesterov=True)
+        for g in grads[:2]:
+            w.grad = g.clone()
+            opt.step()
+        other = second([w], lr=0.1, momentum=0.9, nesterov=True)
+        other.load_state_dict(opt.state_dict())
+        for g in grads[2:]:
+            w.grad = g.clone()
+            other.step()
+        return w.detach()
+
+    reference = run(torch.optim.SGD, torch.optim.SGD)
+    torch.testing.assert_close(run(OrtSGD, torch.optim.SGD), reference)
+    torch.testing.assert_close(run(torch.optim.SGD, OrtSGD), reference)
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    opt = OrtSGD([w], lr=0.1)
+    opt.load_state_dict(torch.optim.SGD([w], lr=0.1, momentum=0.5, dampening=0.1).state_dict())
+    with pytest.raises(OnnxInputError, match="group 0 has dampening=0.1"):
+        opt.step()

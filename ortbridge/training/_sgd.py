@@ -429,11 +429,15 @@ class OrtSGD(_FusedSGD):
         weight_decay: float = 0.0,
     ):
         _check_hyper(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        # dampening=0 and maximize=False: torch.optim.SGD reads them from a
+        # state dict saved by OrtSGD.
         defaults = {
             "lr": lr,
             "momentum": momentum,
             "nesterov": nesterov,
             "weight_decay": weight_decay,
+            "dampening": 0.0,
+            "maximize": False,
         }
         super().__init__(params, defaults)
 
@@ -444,6 +448,12 @@ class OrtSGD(_FusedSGD):
             weight_decay=group["weight_decay"],
             nesterov=group["nesterov"],
         )
+        # A state dict of torch.optim.SGD may carry options OrtSGD lacks.
+        if group.get("dampening", 0) or group.get("maximize", False):
+            raise OnnxInputError(
+                f"group {gi} has dampening={group.get('dampening', 0)} and maximize="
+                f"{group.get('maximize', False)}: OrtSGD supports dampening=0, maximize=False"
+            )
 
     def _flags(self, group):
         momentum = group["momentum"] != 0
