@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import onnx
+import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
 from ._onnx_utils import FLOAT_TYPES, np_dtype
@@ -256,7 +257,10 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
       equivalent depthwise ``Conv`` with constant weights.
     - ``Dropout`` without its mask output: the gradient needs the mask.
     - Unnamed nodes get a name.
+    - An ai.onnx opset below 13 is converted to 13: the gradient builder
+      writes nodes in the forms of recent opsets (a ``Gemm`` without ``C``).
     """
+    model = _at_least_opset(model, MIN_OPSET)
     graph = model.graph
     types = _elem_types(model)
     shapes = _shapes(model)
@@ -298,6 +302,25 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
                 if not node.output[pos]:
                     node.output[pos] = _unique(f"{node.output[0]}_ln_stat", taken)
     return model
+
+
+#: Lowest ai.onnx opset handed to the gradient builder.
+MIN_OPSET = 13
+
+
+def _at_least_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    current = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if current is None or current >= opset:
+        return model
+    try:
+        converted = onnx.version_converter.convert_version(model, opset)
+    except Exception as exc:
+        raise OnnxModelError(
+            f"the model uses ai.onnx opset {current}; onnxruntime's gradient builder needs "
+            f"{opset} or later and onnx could not convert it: {exc}"
+        ) from exc
+    converted.ir_version = max(converted.ir_version, 7)
+    return converted
 
 
 @dataclasses.dataclass
@@ -624,7 +647,12 @@ def weights_as_inputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelPro
     """Move the initializers ``names`` to graph inputs (in that order, after the user inputs)."""
     graph = model.graph
     inits = {init.name: init for init in graph.initializer}
-    keep = [init for init in graph.initializer if init.name not in set(names)]
+    moved = set(names)
+    keep = [init for init in graph.initializer if init.name not in moved]
+    # Models of IR version < 4 also list their initializers as inputs.
+    inputs = [i for i in graph.input if i.name not in moved]
+    del graph.input[:]
+    graph.input.extend(inputs)
     for name in names:
         init = inits[name]
         graph.input.append(helper.make_tensor_value_info(name, init.data_type, list(init.dims)))

@@ -88,7 +88,7 @@ class OnnxModule(nn.Module):
             tensor = torch.from_numpy(np.array(array, copy=True))
             self._register_weight(name, tensor, name in chosen)
         self._weight_names = list(summary.float_initializers)
-        self._build_bridge()
+        self._build_bridge(prepared)
         if chosen:
             self._check_trainable(chosen, trainable is None)
 
@@ -109,7 +109,7 @@ class OnnxModule(nn.Module):
             owner.register_buffer(path[-1], tensor)
         self._onnx_names[name] = path
 
-    def _build_bridge(self) -> None:
+    def _build_bridge(self, prepared: onnx.ModelProto | None = None) -> None:
         # Expected dtypes, computed once: forward checks every call against them.
         self._input_dtypes = [_torch_dtype(spec) for spec in self._summary.inputs]
         self._weight_dtypes = [
@@ -117,7 +117,7 @@ class OnnxModule(nn.Module):
             for n in self._weight_names
         ]
         self._bridge = Bridge(
-            self._summary_model(),
+            prepared if prepared is not None else self._summary_model(),
             [s.name for s in self._summary.inputs],
             self._weight_names,
             frozen_batch_norm=self._batch_norm == "frozen",

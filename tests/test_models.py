@@ -213,3 +213,29 @@ def test_onnx_roundtrip_keeps_graph():
     exported = layer.to_onnx()
     assert isinstance(exported, onnx.ModelProto)
     assert [n.op_type for n in exported.graph.node] == ["MatMul", "Add", "Tanh", "Mul"]
+
+
+def test_initializers_listed_as_inputs_old_ir():
+    proto = linear_model_ir3()
+    layer = OnnxModule(proto)
+    assert layer.input_names == ["x"]
+    x = torch.randn(2, 3, requires_grad=True)
+    w, b = layer.onnx_weight("weight"), layer.onnx_weight("bias")
+    out = layer(x)
+    torch.testing.assert_close(out, x @ w.T + b)
+    out.sum().backward()
+    assert w.grad is not None and x.grad is not None
+
+
+def linear_model_ir3():
+    from ortbridge._examples import linear_model
+
+    proto = linear_model(3, 2)
+    for init in proto.graph.initializer:  # as IR < 4 models do
+        proto.graph.input.append(
+            helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+        )
+    proto.ir_version = 3
+    del proto.opset_import[:]
+    proto.opset_import.append(helper.make_opsetid("", 9))
+    return proto
