@@ -444,3 +444,25 @@ def test_training_paths_benchmark_runs(tmp_path):
     assert result["skipped"] == {}
     assert ways["full graph"]["ratio_to_full_graph"] == 1.0
     assert {"OnnxModule + torch SGD", "OnnxModule + OrtSGD"} <= set(ways)
+
+
+def test_old_model_with_initializers_listed_as_inputs(data):
+    """IR 3 / opset 9: initializers are also graph inputs; Gemm is the opset-9 form."""
+    X, _ = data
+    model = linear_model(N_IN, 1)
+    graph = model.graph
+    for init in graph.initializer:
+        graph.input.append(
+            onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+        )
+    del model.opset_import[:]
+    model.opset_import.append(onnx.helper.make_opsetid("", 9))
+    model.ir_version = 3
+    y = X @ np.arange(1.0, N_IN + 1, dtype=np.float32)
+    trainer = OrtFullGraphTrainer(model, optimizer="sgd", learning_rate=0.1, max_iter=30)
+    trainer.fit(X, y)
+    assert trainer.train_losses_[-1] < 1e-4
+    session = onnxruntime.InferenceSession(
+        trainer.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    np.testing.assert_allclose(session.run(None, {"x": X})[0], trainer.predict(X), rtol=1e-6)

@@ -213,3 +213,20 @@ def test_docstring_examples():
     for module in (ortbridge.losses,):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0
+
+
+def test_old_model_listing_initializers_as_inputs():
+    base = _mlp(1, opset=9)
+    base.ir_version = 3
+    for init in base.graph.initializer:
+        base.graph.input.append(
+            helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+        )
+    model = add_loss_output(base, "squared_error", weight_name="sw")
+    names = [i.name for i in model.graph.input]
+    assert names == ["x", "label", "sw", "w1", "b1", "w2", "b2", "shape"]
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((4, N_IN)).astype(np.float32)
+    y = rng.standard_normal((4, 1)).astype(np.float32)
+    value, _ = _run(model, {"x": x, "label": y, "sw": np.ones(4, np.float32)})
+    np.testing.assert_allclose(value, _reference("squared_error", _predict(base, x), y), rtol=1e-5)
