@@ -292,6 +292,18 @@ class OnnxModule(nn.Module):
                     "convert the ONNX model itself, or use torch.autocast for inputs"
                 )
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # torch's BatchNorm state dicts hold ``num_batches_tracked``, which the
+        # exported graph never uses: drop it so they load as they are.
+        for name in self._weight_names:
+            path = self._onnx_names[name]
+            if path[-1] == "running_mean":
+                owner = self._owner(path)
+                if "num_batches_tracked" not in owner._buffers:
+                    key = prefix + ".".join(path[:-1] + ("num_batches_tracked",))
+                    state_dict.pop(key, None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     # -- pickling / copying: onnxruntime sessions are rebuilt, not copied ----
 
     def __getstate__(self):

@@ -421,3 +421,30 @@ def test_cuda_non_default_stream(mlp_proto):
     torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-4, atol=1e-5)
     for p, g in zip(cpu.parameters(), grads):
         torch.testing.assert_close(g.cpu(), p.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_batch_norm_state_dicts_load_both_ways():
+    """A torch BatchNorm model's state dict (with ``num_batches_tracked``, which
+    the graph does not use) loads strictly; running statistics follow torch."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    module = OnnxModule(export(ref, (torch.randn(4, 6),)))
+    ref.train()
+    for x, _ in batches(3, size=16):
+        ref(x)
+        module(x)
+    ours, theirs = module.state_dict(), ref.state_dict()
+    assert "1.num_batches_tracked" not in ours
+    assert sorted(ours) == sorted(k for k in theirs if not k.endswith("num_batches_tracked"))
+    for name, value in ours.items():
+        torch.testing.assert_close(value, theirs[name], rtol=1e-5, atol=1e-6)
+
+    fresh = OnnxModule(module.to_onnx())
+    with torch.no_grad():
+        ref[1].running_mean.add_(1.0)
+    assert fresh.load_state_dict(theirs).unexpected_keys == []
+    torch.testing.assert_close(fresh.onnx_weight("1.running_mean"), ref[1].running_mean)
+    # The other way too: torch's BatchNorm fills in the counter (as for old state dicts).
+    make_bn = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    make_bn.load_state_dict(fresh.state_dict())
+    torch.testing.assert_close(make_bn[1].running_mean, ref[1].running_mean)
