@@ -448,3 +448,38 @@ def test_batch_norm_state_dicts_load_both_ways():
     make_bn = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
     make_bn.load_state_dict(fresh.state_dict())
     torch.testing.assert_close(make_bn[1].running_mean, ref[1].running_mean)
+
+
+def test_load_state_dict_assign_and_functional_call(mlp_proto):
+    """Parameters swapped in by ``assign=True`` or ``torch.func.functional_call``
+    are the ones the graph computes with, and get the gradients."""
+    ref = make_mlp(seed=4)
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    x = torch.randn(5, 6)
+    want = ref(x)
+    want.sum().backward()
+
+    assigned = OnnxModule(mlp_proto)
+    assigned.load_state_dict(state, assign=True)
+    assert all(p.data_ptr() == state[n].data_ptr() for n, p in assigned.named_parameters())
+    out = assigned(x)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(dict(assigned.named_parameters())[name].grad, p.grad)
+
+    module = OnnxModule(mlp_proto)
+    params = {k: v.clone().requires_grad_(True) for k, v in state.items()}
+    out = torch.func.functional_call(module, params, (x,))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad)
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_module_on_meta_device_is_refused_clearly(mlp_proto):
+    layer = OnnxModule(mlp_proto).to("meta")
+    assert all(p.is_meta for p in layer.parameters())
+    with pytest.raises(OrtBridgeError, match=r"cannot run on torch device meta: use cpu or cuda"):
+        layer(torch.empty(3, 6, device="meta"))
