@@ -311,14 +311,40 @@ class OnnxModule(nn.Module):
         state["_original"] = self._original.SerializeToString()
         state.pop("_bridge", None)
         state.pop("function", None)
+        if state["_session_options"] is not None:
+            state["_session_options"] = _options_state(state["_session_options"])
         return state
 
     def __setstate__(self, state):
         original = onnx.ModelProto()
         original.ParseFromString(state["_original"])
         state["_original"] = original
+        if state["_session_options"] is not None:
+            state["_session_options"] = _options_from_state(*state["_session_options"])
         self.__dict__.update(state)
         self._build_bridge()
+
+
+def _options_state(options) -> tuple:
+    """onnxruntime.SessionOptions cannot be pickled: keep its settable properties.
+
+    Session config entries (``add_session_config_entry``) cannot be listed, so
+    a copy does not carry them.
+    """
+    cls = type(options)
+    names = [
+        n
+        for n in dir(cls)
+        if isinstance(getattr(cls, n), property) and getattr(cls, n).fset is not None
+    ]
+    return cls, {n: getattr(options, n) for n in names}
+
+
+def _options_from_state(cls, values):
+    options = cls()
+    for name, value in values.items():
+        setattr(options, name, value)
+    return options
 
 
 _TORCH_DTYPES = {

@@ -483,3 +483,23 @@ def test_module_on_meta_device_is_refused_clearly(mlp_proto):
     assert all(p.is_meta for p in layer.parameters())
     with pytest.raises(OrtBridgeError, match=r"cannot run on torch device meta: use cpu or cuda"):
         layer(torch.empty(3, 6, device="meta"))
+
+
+@pytest.mark.parametrize(
+    "clone",
+    [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))],
+    ids=["deepcopy", "pickle"],
+)
+def test_copies_of_a_module_with_session_options(mlp_proto, clone):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    module = OnnxModule(mlp_proto, session_options=options)
+    copied = clone(module)
+    assert module._session_options is options
+    kept = copied._session_options
+    assert isinstance(kept, ort.SessionOptions) and kept is not options
+    assert kept.intra_op_num_threads == 1
+    assert kept.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(copied(x), module(x), rtol=0, atol=0)
