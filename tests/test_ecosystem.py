@@ -135,6 +135,9 @@ def test_exported_model_matches_module_and_keeps_everything_else(mlp_proto, tmp_
         (o.domain, o.version) for o in proto.opset_import
     ]
     assert {p.key: p.value for p in saved.metadata_props} == {"author": "ortbridge-tests"}
+    assert (saved.ir_version, saved.producer_name) == (proto.ir_version, proto.producer_name)
+    assert saved.graph.input == proto.graph.input
+    assert saved.graph.output == proto.graph.output
     before = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
     after = {i.name: numpy_helper.to_array(i) for i in saved.graph.initializer}
     assert sorted(before) == sorted(after)
@@ -503,3 +506,35 @@ def test_copies_of_a_module_with_session_options(mlp_proto, clone):
     assert kept.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     x = torch.randn(4, 6)
     torch.testing.assert_close(copied(x), module(x), rtol=0, atol=0)
+
+
+def test_weight_norm_parametrization_and_backward_hook(mlp_proto):
+    """torch's parametrizations wrap an ONNX weight like a torch one; to_onnx
+    writes the computed weight; full backward hooks see the ONNX layer's grads."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    ours, ref = OnnxModule(mlp_proto), make_mlp()
+    weight_norm(ours.get_submodule("0"), "weight")
+    weight_norm(ref[0], "weight")
+    seen = []
+    ours.register_full_backward_hook(lambda mod, gin, gout: seen.append((gin[0], gout[0])))
+    x = torch.randn(5, 6, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, want = ours(x), ref(x_ref)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    (out**2).sum().backward()
+    (want**2).sum().backward()
+    params = dict(ours.named_parameters())
+    assert "0.parametrizations.weight.original0" in params
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-5, atol=1e-6)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0][1], 2 * out.detach())
+    torch.testing.assert_close(seen[0][0], x.grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+    session = ort.InferenceSession(
+        ours.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    (exported,) = session.run(None, {"input": x.detach().numpy()})
+    np.testing.assert_allclose(exported, out.detach().numpy(), rtol=1e-6, atol=1e-7)
