@@ -344,6 +344,8 @@ def test_autocast_bf16_input_is_cast_to_float32(mlp_proto):
 
 
 def test_torch_compile_matches_eager(mlp_proto):
+    """torch.compile (inductor) runs around the ONNX layer, which is a graph
+    break; outputs, gradients and three SGD steps match eager."""
     torch._dynamo.reset()
     eager = sandwich(OnnxModule(mlp_proto))
     compiled_model = copy.deepcopy(eager)
@@ -357,6 +359,13 @@ def test_torch_compile_matches_eager(mlp_proto):
     for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
         assert q.grad is not None, name
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7)
+
+    gen = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 5, generator=gen), torch.randn(8, 2, generator=gen)) for _ in range(3)]
+    ref = sgd_losses(eager, torch.optim.SGD(eager.parameters(), lr=0.1), data)
+    ours = sgd_losses(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), data)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5)
+    assert_same_params(compiled_model, eager, rtol=1e-5, atol=1e-6)
 
 
 # -- 9. devices and dtypes ----------------------------------------------------
