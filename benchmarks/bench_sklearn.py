@@ -118,7 +118,36 @@ def time_ortbridge(onx, X, y, epochs, hyper):
     if epochs > 1:
         reg.fit(X, y)
     rest = time.perf_counter() - begin
-    return first, rest, float(reg.loss_)
+    return first, rest, float(reg.loss_), reg
+
+
+def breakdown(reg, X, y, batch, rounds=3):
+    """Median microseconds a batch spends in forward, backward and update.
+
+    Replays the estimator's batch loop on its own module and optimizer.
+    """
+    X_t = torch.from_numpy(X)
+    y_t = torch.from_numpy(y.reshape(-1, 1))
+    w_t = torch.ones(len(X), 1)
+    module, optimizer = reg.module_, reg.optimizer_
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    parts = {"forward": [], "backward": [], "update": []}
+    for _ in range(rounds):
+        for start in range(0, len(X) - batch + 1, batch):
+            stop = start + batch
+            t0 = time.perf_counter()
+            loss = module(X_t[start:stop], y_t[start:stop], w_t[start:stop])
+            t1 = time.perf_counter()
+            for p in params:
+                p.grad = None
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer._step(1.0 / batch)
+            t3 = time.perf_counter()
+            parts["forward"].append(t1 - t0)
+            parts["backward"].append(t2 - t1)
+            parts["update"].append(t3 - t2)
+    return {k: statistics.median(v) * 1e6 for k, v in parts.items()}
 
 
 def main():
@@ -138,7 +167,7 @@ def main():
     for _ in range(args.repeat):
         elapsed, losses["sklearn"] = time_sklearn(mlp, X, y, args.epochs)
         runs["sklearn"].append(elapsed)
-        first, rest, losses["ortbridge"] = time_ortbridge(onx, X, y, args.epochs, hyper)
+        first, rest, losses["ortbridge"], reg = time_ortbridge(onx, X, y, args.epochs, hyper)
         runs["first"].append(first)
         runs["rest"].append(rest)
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -160,6 +189,13 @@ def main():
     )
     print(f"{'  build + first epoch':28s} {first:10.3f}")
     print(f"{'  one epoch':28s} {epoch:10.4f} {'':12s} {epoch / sk_epoch:7.2f}")
+    n_batches = -(-args.rows // args.batch)
+    parts = breakdown(reg, X, y, args.batch)
+    print(
+        f"a batch (us): scikit-learn {sk_epoch / n_batches * 1e6:.0f}; ortbridge "
+        f"{epoch / n_batches * 1e6:.0f}, medians: forward {parts['forward']:.0f}, "
+        f"backward {parts['backward']:.0f}, update {parts['update']:.0f}"
+    )
     figures = {
         "args": vars(args),
         "sklearn_s": sk,
@@ -167,6 +203,7 @@ def main():
         "ortbridge_build_and_first_epoch_s": first,
         "ratio": total / sk,
         "ratio_per_epoch": epoch / sk_epoch,
+        "ortbridge_batch_parts_us": parts,
         "losses": losses,
         "runs": runs,
         "machine": {

@@ -292,17 +292,13 @@ class _FusedSGD(torch.optim.Optimizer):
         set_groups = [(fl, group) for _, fl, group in sets]
         return _Plan(key, update, entries, set_groups, self.state)
 
-    def _check_grad(self, p, grad, gi, pi):
+    def _check_grad(self, grad, gi, pi):
+        # torch itself keeps a gradient's shape, dtype and device those of its
+        # parameter.
         if grad.is_sparse:
             raise OnnxTypeError(
                 f"parameter {pi} of group {gi} has a sparse gradient: "
                 f"{type(self).__name__} needs dense gradients"
-            )
-        if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
-            raise OnnxInputError(
-                f"parameter {pi} of group {gi}: its gradient is a {grad.dtype} tensor of "
-                f"shape {tuple(grad.shape)} on {grad.device}, expected {p.dtype}, "
-                f"{tuple(p.shape)}, {p.device}"
             )
         return grad if grad.is_contiguous() else grad.contiguous()
 
@@ -350,7 +346,7 @@ class _FusedSGD(torch.optim.Optimizer):
             grad = p.grad
             ptr = grad.data_ptr()
             if bound_g.get(i) != ptr:
-                grad = self._check_grad(p, grad, gi, pi)
+                grad = self._check_grad(grad, gi, pi)
                 update.bind(f"g{i}", grad)
                 bound_g[i] = grad.data_ptr()
             touched.append(p)
