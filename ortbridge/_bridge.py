@@ -11,6 +11,7 @@ import torch
 
 from . import _graph
 from ._runtime import GradientGraph, InferenceGraph, current_stream
+from .exceptions import NotDifferentiableError
 
 
 class Bridge:
@@ -56,16 +57,26 @@ class Bridge:
         if graph is None:
             n_in = len(self.input_names)
             model, _ = self._variant(mode, for_gradient=True)
-            graph = GradientGraph(
-                model,
-                self.weight_names,
-                [n for n, need in zip(self.weight_names, needs_grad[n_in:]) if need],
-                [n for n, need in zip(self.input_names, needs_grad[:n_in]) if need],
-                device,
-                self.session_options,
-                self.providers,
-                batch_norm_nodes=self.batch_norms if mode == _graph.TRAIN else (),
-            )
+            inputs = [n for n, need in zip(self.input_names, needs_grad[:n_in]) if need]
+            while True:
+                try:
+                    graph = GradientGraph(
+                        model,
+                        self.weight_names,
+                        [n for n, need in zip(self.weight_names, needs_grad[n_in:]) if need],
+                        inputs,
+                        device,
+                        self.session_options,
+                        self.providers,
+                        batch_norm_nodes=self.batch_norms if mode == _graph.TRAIN else (),
+                    )
+                    break
+                except NotDifferentiableError as exc:
+                    # An input requiring grad that no gradient reaches gets
+                    # none, as in torch (its .grad stays None).
+                    if exc.unreachable not in inputs:
+                        raise
+                    inputs.remove(exc.unreachable)
             self._gradient_graphs[key] = graph
         return graph
 

@@ -18,7 +18,9 @@ from ._graph import batch_var_from_inv_std, unbiased_running_var
 from .exceptions import NotDifferentiableError, OnnxModelError, OrtBridgeError
 
 _NOT_REGISTERED = re.compile(r"has not been registered: (\S+) for node (\S*)")
-_MISSING_GRAD = re.compile(r"failed to find NodeArg by name: (\S+)_grad")
+_MISSING_GRAD = re.compile(
+    r"failed to find NodeArg by name: (\S+)_grad|\) (\S+) couldn't find the consumer node"
+)
 
 
 def default_session_options(device: torch.device):
@@ -241,8 +243,10 @@ def _builder_error(exc: Exception) -> Exception:
         )
     match = _MISSING_GRAD.search(text)
     if match:
+        name = match.group(1) or match.group(2)
         return NotDifferentiableError(
-            f"no gradient reaches {match.group(1)!r}: it cannot be trained or require grad"
+            f"no gradient reaches {name!r}: it cannot be trained or require grad",
+            unreachable=name,
         )
     return OnnxModelError(f"onnxruntime could not build the gradient graph: {text}")
 

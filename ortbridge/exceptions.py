@@ -24,7 +24,14 @@ class OnnxModelError(OrtBridgeError, ValueError):
 
 
 class NotDifferentiableError(OrtBridgeError, ValueError):
-    """onnxruntime cannot build a gradient for a node of the graph."""
+    """onnxruntime cannot build a gradient for a node of the graph.
+
+    ``unreachable`` names the tensor no gradient reaches, when that is the cause.
+    """
+
+    def __init__(self, message: str, unreachable: str | None = None):
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class MissingDependencyError(OrtBridgeError, ImportError):

@@ -140,7 +140,7 @@ class OnnxModule(nn.Module):
             except NotDifferentiableError as exc:
                 # The static analysis may miss a path the builder knows to be
                 # dead: by default such weights simply stay frozen.
-                name = _unreachable_name(exc)
+                name = exc.unreachable
                 if not default or name not in chosen:
                     raise
                 chosen.discard(name)
@@ -417,10 +417,3 @@ def _choose_trainable(trainable, summary) -> set[str]:
             f"{sorted(floats)}"
         )
     return set(names)
-
-
-def _unreachable_name(exc: NotDifferentiableError) -> str | None:
-    text = str(exc)
-    if text.startswith("no gradient reaches "):
-        return text.split("'")[1]
-    return None

@@ -263,3 +263,30 @@ def test_session_options_can_be_overridden():
     used = graph.session.get_session_options()
     assert used.intra_op_num_threads == 1
     assert used.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+
+
+def test_input_requiring_grad_that_no_gradient_reaches():
+    # y = x * w + Cast(Shape(z)): z only contributes its shape.
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["x", "w"], ["xw"]),
+            helper.make_node("Shape", ["z"], ["s"], start=1),
+            helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT),
+            helper.make_node("Add", ["xw", "sf"], ["y"]),
+        ],
+        "shape_only",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n", 1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1])],
+        [numpy_helper.from_array(np.full(1, 3.0, np.float32), "w")],
+    )
+    layer = OnnxModule(make_model(graph))
+    x = torch.ones(2, 1, requires_grad=True)
+    z = torch.ones(2, 1, requires_grad=True)
+    y = layer(x, z)
+    torch.testing.assert_close(y, torch.full((2, 1), 4.0))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2, 1), 3.0))
+    assert z.grad is None  # as torch gives for an input that does not reach the loss
