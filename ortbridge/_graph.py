@@ -267,6 +267,12 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     taken = _all_names(graph)
     rewritten = []
     for node in graph.node:
+        if node.domain == "org.pytorch.aten":
+            raise OnnxModelError(
+                f"node {node.name!r} ({node.op_type} of domain org.pytorch.aten) runs torch code "
+                "through ORTModule's ATen executor, which ortbridge does not use: export the "
+                "model in a process where ORTModule was never created"
+            )
         if node.op_type == "AveragePool" and node.domain in ("", "ai.onnx"):
             rewritten.extend(_average_pool_as_conv(node, shapes, types, taken))
             continue

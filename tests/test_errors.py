@@ -127,3 +127,24 @@ def test_missing_onnxruntime_training_says_what_to_install():
     assert out.stdout.startswith("MissingDependencyError")
     assert "pip install onnxruntime-training-cpu==1.19.2" in out.stdout
     assert issubclass(MissingDependencyError, ImportError)
+
+
+def test_aten_node_is_refused_with_its_name():
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "ATen",
+                ["x"],
+                ["y"],
+                name="max_pool_aten",
+                domain="org.pytorch.aten",
+                operator="max_pool2d_with_indices",
+            )
+        ],
+        "aten",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])],
+    )
+    model = make_model(graph, extra_opsets={"org.pytorch.aten": 1})
+    with pytest.raises(OnnxModelError, match=r"node 'max_pool_aten' \(ATen of domain"):
+        OnnxModule(model)
