@@ -10,10 +10,13 @@ penalty):
   conversion (skl2onnx) of that network: forward and backward of the model
   and its loss by onnxruntime through :class:`ortbridge.OnnxModule`, the update
   of every weight by one onnxruntime call (:class:`ortbridge.training.OrtSGD`'s
-  machinery) per batch.
+  machinery) per batch;
+- ``full graph`` (reference, ``--no-full-graph`` to leave it out):
+  :class:`ortbridge.training.OrtFullGraphTrainer`, forward, loss, backward and
+  update in one onnxruntime call a batch, set up to take scikit-learn's steps.
 
-Both start from an ``MLPRegressor`` fitted for one epoch (then converted); by
-default neither shuffles, so both see the batches in the same order and must
+All start from an ``MLPRegressor`` fitted for one epoch (then converted); by
+default none shuffles, so all see the batches in the same order and must
 end at the same loss (the estimator follows scikit-learn's update rule).
 ``ortbridge`` is timed in two parts: building the training graph and the first
 epoch, then the remaining epochs.
@@ -48,7 +51,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.neural_network import MLPRegressor
 
 import ortbridge
-from ortbridge.training import OnnxSGDRegressor, OrtSGD
+from ortbridge.training import OnnxSGDRegressor, OrtFullGraphTrainer, OrtSGD
 
 
 def parse_args():
@@ -63,6 +66,9 @@ def parse_args():
     parser.add_argument("--shuffle", action="store_true", help="shuffle every epoch")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each, median kept")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave)")
+    parser.add_argument(
+        "--no-full-graph", action="store_true", help="leave out the OrtFullGraphTrainer reference"
+    )
     parser.add_argument("--output", help="write the figures as JSON to this file")
     return parser.parse_args()
 
@@ -121,6 +127,35 @@ def time_ortbridge(onx, X, y, epochs, hyper):
     return first, rest, float(reg.loss_), reg
 
 
+def time_full_graph(onx, X, y, epochs, args):
+    """The reference one-call-a-step path on the same trajectory.
+
+    ``OrtFullGraphTrainer`` follows torch: its ``squared_error`` is the mean of
+    ``r**2`` (twice scikit-learn's half), so half the learning rate gives
+    scikit-learn's steps; with a constant rate torch's momentum and Nesterov
+    updates are scikit-learn's. Its loss is halved to compare.
+    """
+    trainer = OrtFullGraphTrainer(
+        onx,
+        optimizer="sgd",
+        learning_rate=args.lr / 2,
+        batch_size=args.batch,
+        max_iter=1,
+        shuffle=args.shuffle,
+        random_state=0,
+        optimizer_params={"momentum": args.momentum, "nesterov": True},
+    )
+    begin = time.perf_counter()
+    trainer.fit(X, y.reshape(-1, 1))
+    first = time.perf_counter() - begin
+    trainer.max_iter = epochs - 1
+    begin = time.perf_counter()
+    if epochs > 1:
+        trainer.fit(X, y.reshape(-1, 1))
+    rest = time.perf_counter() - begin
+    return first, rest, float(trainer.train_losses_[-1]) / 2
+
+
 def breakdown(reg, X, y, batch, rounds=3):
     """Median microseconds a batch spends in forward, backward and update.
 
@@ -162,7 +197,7 @@ def main():
     # a cost of the process, not of a fit, paid here before any timing.
     OrtSGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
-    runs = {"sklearn": [], "first": [], "rest": []}
+    runs = {"sklearn": [], "first": [], "rest": [], "full_graph": []}
     losses = {}
     for _ in range(args.repeat):
         elapsed, losses["sklearn"] = time_sklearn(mlp, X, y, args.epochs)
@@ -170,7 +205,10 @@ def main():
         first, rest, losses["ortbridge"], reg = time_ortbridge(onx, X, y, args.epochs, hyper)
         runs["first"].append(first)
         runs["rest"].append(rest)
-    med = {k: statistics.median(v) for k, v in runs.items()}
+        if not args.no_full_graph:
+            fg_first, fg_rest, losses["full_graph"] = time_full_graph(onx, X, y, args.epochs, args)
+            runs["full_graph"].append(fg_first + fg_rest)
+    med = {k: statistics.median(v) for k, v in runs.items() if v}
     sk, first, rest = med["sklearn"], med["first"], med["rest"]
     epoch = rest / max(args.epochs - 1, 1)
     sk_epoch = sk / args.epochs
@@ -189,6 +227,11 @@ def main():
     )
     print(f"{'  build + first epoch':28s} {first:10.3f}")
     print(f"{'  one epoch':28s} {epoch:10.4f} {'':12s} {epoch / sk_epoch:7.2f}")
+    if "full_graph" in med:
+        fg = med["full_graph"]
+        print(
+            f"{'full graph (reference)':28s} {fg:10.3f} {losses['full_graph']:12.6f} {fg / sk:7.2f}"
+        )
     n_batches = -(-args.rows // args.batch)
     parts = breakdown(reg, X, y, args.batch)
     print(
