@@ -203,17 +203,27 @@ def test_errors_name_what_is_wrong():
         OrtSGD([strided], lr=0.1).step()
 
 
-def test_closure_and_non_contiguous_gradient():
-    w = torch.nn.Parameter(torch.ones(2, 3))
-    opt = OrtSGD([w], lr=0.5)
+def test_closure_and_non_contiguous_gradients():
+    """Strided gradients are copied (and kept alive until the run), every step."""
+    a = torch.nn.Parameter(torch.ones(2, 3))
+    b = torch.nn.Parameter(torch.ones(3, 2))
+    opt = OrtSGD([a, b], lr=0.5, momentum=0.5)
+    ref_a, ref_b = torch.nn.Parameter(torch.ones(2, 3)), torch.nn.Parameter(torch.ones(3, 2))
+    ref = torch.optim.SGD([ref_a, ref_b], lr=0.5, momentum=0.5)
+    for step in range(3):
 
-    def closure():
-        opt.zero_grad()
-        w.grad = torch.arange(6.0).reshape(3, 2).t()  # strided gradient: copied once
-        return torch.tensor(1.5)
+        def closure(step=step):
+            opt.zero_grad()
+            a.grad = torch.arange(6.0).reshape(3, 2).t() * (step + 1)
+            b.grad = torch.arange(6.0).reshape(2, 3).t() - step
+            return torch.tensor(1.5)
 
-    assert opt.step(closure).item() == 1.5
-    torch.testing.assert_close(w.detach(), 1 - 0.5 * torch.arange(6.0).reshape(3, 2).t())
+        assert opt.step(closure).item() == 1.5
+        assert not a.grad.is_contiguous() and not b.grad.is_contiguous()
+        ref_a.grad, ref_b.grad = a.grad.clone(), b.grad.clone()
+        ref.step()
+        torch.testing.assert_close(a.detach(), ref_a.detach())
+        torch.testing.assert_close(b.detach(), ref_b.detach())
 
 
 def test_update_graph_is_one_valid_model():

@@ -3,9 +3,11 @@
 :class:`OrtSGD` is a :class:`torch.optim.Optimizer` whose ``step()`` builds
 (once per layout of the parameters, then cached) one ONNX graph that takes
 every parameter, gradient and velocity and computes the new ones, and runs it
-with an IOBinding whose inputs and outputs are the tensors' own memory
-(DLPack): onnxruntime writes the new values in place, no tensor is copied and
-no parameter changes address.
+with an IOBinding whose inputs and outputs are the tensors' own memory:
+onnxruntime writes the new values in place, no tensor is copied and no
+parameter changes address. Tensors are bound by address (the CPU memory that
+DLPack would share), checked before every run: an OrtValue made through DLPack
+would keep each step's gradients alive until the next one and costs more.
 
 Both conventions of the project are one family of graphs with different
 scalar inputs. With ``g`` the gradient, a group's update is::
@@ -39,13 +41,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from onnx import TensorProto, helper
-from torch.utils.dlpack import to_dlpack
 
 from .._onnx_utils import make_model
 from .._ort import capi, onnxruntime
 from ..exceptions import OnnxInputError, OnnxTypeError
 
 _ELEM = {torch.float32: TensorProto.FLOAT, torch.float64: TensorProto.DOUBLE}
+_NP_DTYPE = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
 
 
 class _Flags(NamedTuple):
@@ -170,11 +172,6 @@ def build_update_graph(layout):
     return make_model(graph)
 
 
-def _ortvalue(tensor):
-    # A 0-d tensor times a (1,) scalar would give (1,): bind it as (1,).
-    return capi().OrtValue.from_dlpack(to_dlpack(tensor if tensor.dim() else tensor.view(1)), False)
-
-
 class _Update:
     """A session running one layout, and its binding to the tensors' memory."""
 
@@ -192,14 +189,17 @@ class _Update:
         )
         self.run_options = capi().RunOptions()
         sets, params = layout
-        self.binding = capi().SessionIOBinding(self.session._sess)
+        C = capi()
+        self.binding = C.SessionIOBinding(self.session._sess)
+        self.device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+        # The numpy views keep the scalar buffers (bound by address) alive.
         self.scalars = []
         for k, (elem, flags) in enumerate(sets):
             dtype = torch.float32 if elem == TensorProto.FLOAT else torch.float64
             names = _scalar_names(flags)
             buffer = torch.zeros(len(names), dtype=dtype)
             for j, name in enumerate(names):
-                self.binding.bind_ortvalue_input(f"k{k}_{name}", _ortvalue(buffer[j : j + 1]))
+                self.bind(f"k{k}_{name}", buffer[j : j + 1])
             self.scalars.append(buffer.numpy())
         self.forget()
 
@@ -208,12 +208,15 @@ class _Update:
         self.bound_w, self.bound_g, self.bound_v = {}, {}, {}
 
     def bind(self, name, tensor, output=None):
-        # The OrtValue holds a reference to the tensor (through DLPack): while it
-        # is bound, no other tensor can get the same address.
-        value = _ortvalue(tensor)
-        self.binding.bind_ortvalue_input(name, value)
+        # Bound by address: the caller checks before every run that each name
+        # still points to its tensor's memory (same address, same shape), so a
+        # tensor freed and replaced by another at the same address is harmless.
+        shape = list(tensor.shape) or [1]  # 0-d times a (1,) scalar is (1,)
+        dtype = _NP_DTYPE[tensor.dtype]
+        ptr = tensor.data_ptr()
+        self.binding.bind_input(name, self.device, dtype, shape, ptr)
         if output is not None:
-            self.binding.bind_ortvalue_output(output, value)
+            self.binding.bind_output(output, self.device, dtype, shape, ptr)
 
     def run(self):
         self.session._sess.run_with_iobinding(self.binding, self.run_options)
@@ -334,32 +337,38 @@ class _FusedSGD(torch.optim.Optimizer):
         velocity_key = self._velocity_key
         touched = []
         for i, p, gi, pi, pstate in plan.entries:
-            ptr = p.data_ptr()
-            if bound_w.get(i) != ptr:
+            # Bound by address: rebind when a tensor's memory or size changed.
+            key = (p.data_ptr(), p.numel())
+            if bound_w.get(i) != key:
                 if not p.is_contiguous():
                     raise OnnxInputError(
                         f"parameter {pi} of group {gi} (shape {tuple(p.shape)}) is not "
                         "contiguous: onnxruntime reads contiguous memory only"
                     )
                 update.bind(f"w{i}", p, f"w{i}_new")
-                bound_w[i] = ptr
+                bound_w[i] = key
             grad = p.grad
-            ptr = grad.data_ptr()
-            if bound_g.get(i) != ptr:
-                grad = self._check_grad(grad, gi, pi)
-                update.bind(f"g{i}", grad)
-                bound_g[i] = grad.data_ptr()
+            key = (grad.data_ptr(), grad.numel())
+            if bound_g.get(i) != key:
+                bound = self._check_grad(grad, gi, pi)
+                update.bind(f"g{i}", bound)
+                if bound is not grad:
+                    # A contiguous copy: alive until the run, never reused after.
+                    touched.append(bound)
+                bound_g[i] = key if bound is grad else None
             touched.append(p)
             if pstate is not None:
                 velocity = pstate.get(velocity_key)
-                if velocity is None or bound_v.get(i) != velocity.data_ptr():
+                key = None if velocity is None else (velocity.data_ptr(), velocity.numel())
+                if key is None or bound_v.get(i) != key:
                     velocity = self._new_velocity(p, gi, pi)
                     update.bind(f"v{i}", velocity, f"v{i}_new")
-                    bound_v[i] = velocity.data_ptr()
+                    bound_v[i] = (velocity.data_ptr(), velocity.numel())
                 touched.append(velocity)
         update.run()
         # onnxruntime wrote into the tensors' memory behind autograd's back.
         torch.autograd.graph.increment_version(touched)
+        del touched  # the contiguous copies of gradients, if any, go here
 
     @torch.no_grad()
     def step(self, closure=None):
