@@ -98,8 +98,6 @@ class _BaseOnnxSGD(BaseEstimator):
                 f"learning_rate={self.learning_rate!r} is not supported: "
                 f"expected one of {_losses.SCHEDULES}"
             )
-        if self.learning_rate == "optimal":
-            _losses.optimal_t0(self.alpha)
         checks = [
             ("learning_rate_init", self.learning_rate_init, 0, None, False),
             ("momentum", self.momentum, 0, 1, True),
@@ -115,6 +113,8 @@ class _BaseOnnxSGD(BaseEstimator):
                 bounds = f"{'>=' if low_ok else '>'} {low}" if low is not None else "finite"
                 bounds += f" and <= {high}" if high is not None else ""
                 raise OnnxInputError(f"{name} must be a number {bounds}, got {value!r}")
+        if self.learning_rate == "optimal":
+            _losses.optimal_t0(self.alpha)
         if not (self.batch_size == "auto" or _positive_int(self.batch_size)):
             raise OnnxInputError(
                 f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}"

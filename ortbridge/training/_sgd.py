@@ -44,7 +44,7 @@ from onnx import TensorProto, helper
 
 from .._onnx_utils import make_model
 from .._ort import capi, onnxruntime
-from ..exceptions import OnnxInputError, OnnxTypeError
+from ..exceptions import OnnxInputError, OnnxTypeError, OrtBridgeError
 
 _ELEM = {torch.float32: TensorProto.FLOAT, torch.float64: TensorProto.DOUBLE}
 _NP_DTYPE = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
@@ -219,7 +219,10 @@ class _Update:
             self.binding.bind_output(output, self.device, dtype, shape, ptr)
 
     def run(self):
-        self.session._sess.run_with_iobinding(self.binding, self.run_options)
+        try:
+            self.session._sess.run_with_iobinding(self.binding, self.run_options)
+        except Exception as exc:  # onnxruntime raises its own RuntimeError types
+            raise OrtBridgeError(f"onnxruntime failed to run the SGD update graph: {exc}") from exc
 
 
 class _Plan(NamedTuple):
