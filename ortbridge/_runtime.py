@@ -23,6 +23,17 @@ _MISSING_GRAD = re.compile(
 )
 
 
+_CAPI = None
+
+
+def _capi():
+    """``onnxruntime.capi._pybind_state``, cached: it is needed on every call."""
+    global _CAPI
+    if _CAPI is None:
+        _CAPI = _ort.capi()
+    return _CAPI
+
+
 def default_session_options(device: torch.device):
     """Session options that share the machine with torch.
 
@@ -50,9 +61,9 @@ def current_stream(device: torch.device) -> int | None:
     so they are ordered with torch's work without any synchronisation;
     sessions are cached per stream, a non-default stream gets its own.
     """
-    if device.type == "cuda":
-        return torch.cuda.current_stream(device).cuda_stream
-    return None
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def providers_for(device: torch.device, providers=None) -> list:
@@ -75,7 +86,7 @@ def providers_for(device: torch.device, providers=None) -> list:
 
 
 def ort_device(device: torch.device):
-    C = _ort.capi()
+    C = _capi()
     if device.type == "cuda":
         return C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), device.index or 0)
     if device.type == "cpu":
@@ -85,7 +96,7 @@ def ort_device(device: torch.device):
 
 def to_ortvalues(tensors) -> object:
     """An ``OrtValueVector`` sharing the memory of ``tensors`` (contiguous)."""
-    C = _ort.capi()
+    C = _capi()
     vector = C.OrtValueVector()
     vector.reserve(len(tensors))
     for t in tensors:
@@ -127,7 +138,7 @@ class InferenceGraph:
         self._run_options = _ort.onnxruntime().RunOptions()
 
     def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        C = _ort.capi()
+        C = _capi()
         inputs = to_ortvalues([feeds[name] for name in self.input_names])
         outputs = C.OrtValueVector()
         try:
@@ -163,7 +174,7 @@ class GradientGraph:
         providers=None,
         batch_norm_nodes=(),
     ):
-        C = _ort.capi()
+        C = _capi()
         cfg = C.OrtModuleGraphBuilderConfiguration()
         cfg.initializer_names = list(weight_names)
         cfg.initializer_names_to_train = list(weights_to_train)
@@ -205,7 +216,7 @@ class GradientGraph:
         )
 
     def forward(self, feeds: dict[str, torch.Tensor]):
-        C = _ort.capi()
+        C = _capi()
         inputs = to_ortvalues([feeds[name] for name in self.feed_names])
         outputs = C.OrtValueVector()
         state = C.PartialGraphExecutionState()
@@ -221,7 +232,7 @@ class GradientGraph:
         return [t.clone() for t in tensors], state
 
     def backward(self, grad_outputs: list[torch.Tensor], state) -> dict[str, torch.Tensor]:
-        C = _ort.capi()
+        C = _capi()
         inputs = to_ortvalues(grad_outputs)
         outputs = C.OrtValueVector()
         try:

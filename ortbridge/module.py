@@ -216,7 +216,17 @@ class OnnxModule(nn.Module):
         return torch.device("cpu")
 
     def _weights(self) -> list[torch.Tensor]:
-        return [self.onnx_weight(name) for name in self._weight_names]
+        # Owners are looked up once (walking the dotted path costs more than
+        # the onnxruntime call on a small graph). A parametrized weight is no
+        # longer in _parameters: getattr computes it.
+        slots = self.__dict__.get("_weight_slots")
+        if slots is None:
+            slots = [
+                (self._owner(self._onnx_names[n]), self._onnx_names[n][-1])
+                for n in self._weight_names
+            ]
+            self.__dict__["_weight_slots"] = slots
+        return [_fetch(owner, attr) for owner, attr in slots]
 
     def forward(self, *args, **kwargs):
         inputs = self._bind(args, kwargs)
@@ -237,6 +247,8 @@ class OnnxModule(nn.Module):
 
     def _bind(self, args, kwargs) -> list[torch.Tensor]:
         specs = self._summary.inputs
+        if not kwargs and len(args) == len(specs) and all(a is not None for a in args):
+            return list(args)
         names = [s.name for s in specs]
         if len(args) > len(specs):
             raise OnnxInputError(
@@ -311,6 +323,7 @@ class OnnxModule(nn.Module):
         state["_original"] = self._original.SerializeToString()
         state.pop("_bridge", None)
         state.pop("function", None)
+        state.pop("_weight_slots", None)
         if state["_session_options"] is not None:
             state["_session_options"] = _options_state(state["_session_options"])
         return state
@@ -345,6 +358,13 @@ def _options_from_state(cls, values):
     for name, value in values.items():
         setattr(options, name, value)
     return options
+
+
+def _fetch(owner: nn.Module, attr: str) -> torch.Tensor:
+    tensor = owner._parameters.get(attr)
+    if tensor is None:
+        tensor = owner._buffers.get(attr)
+    return tensor if tensor is not None else getattr(owner, attr)
 
 
 _TORCH_DTYPES = {
