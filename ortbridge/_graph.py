@@ -175,18 +175,29 @@ def summarize(model: onnx.ModelProto) -> GraphSummary:
     )
 
 
-def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Element type of every named tensor shape inference can type."""
+def _infer(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, tuple]]:
+    """Element type and shape (ints, None for unknown dimensions) of every named
+    tensor that onnx's shape inference can type, in one inference pass."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model)
     except Exception:  # a graph shape inference cannot handle still runs
         inferred = model
     graph = inferred.graph
     types = {init.name: init.data_type for init in graph.initializer}
+    shapes = {}
     for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
-        if vi.type.tensor_type.elem_type:
-            types[vi.name] = vi.type.tensor_type.elem_type
-    return types
+        tensor_type = vi.type.tensor_type
+        if tensor_type.elem_type:
+            types[vi.name] = tensor_type.elem_type
+        if tensor_type.HasField("shape"):
+            shapes[vi.name] = tuple(
+                d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim
+            )
+    return types, shapes
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    return _infer(model)[0]
 
 
 def _gradient_reachable(model: onnx.ModelProto, candidates: set[str]) -> set[str]:
@@ -262,8 +273,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     """
     model = _at_least_opset(model, MIN_OPSET)
     graph = model.graph
-    types = _elem_types(model)
-    shapes = _shapes(model)
+    types, shapes = _infer(model)
     taken = _all_names(graph)
     rewritten = []
     for node in graph.node:
@@ -533,23 +543,6 @@ def _set_dropout_training(node, graph, taken, value: bool) -> str:
     return name
 
 
-def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
-    """Shape (ints, or None for unknown dimensions) of every tensor inference can shape."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:
-        inferred = model
-    graph = inferred.graph
-    shapes = {}
-    for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
-        if vi.type.tensor_type.HasField("shape"):
-            shapes[vi.name] = tuple(
-                d.dim_value if d.HasField("dim_value") else None
-                for d in vi.type.tensor_type.shape.dim
-            )
-    return shapes
-
-
 def _average_pool_as_conv(node, shapes, types, taken) -> list[onnx.NodeProto]:
     shape = shapes.get(node.input[0])
     if shape is not None and all(d is not None for d in shape):
@@ -593,7 +586,7 @@ def _average_pool_as_conv(node, shapes, types, taken) -> list[onnx.NodeProto]:
 
 
 def _ranks(model: onnx.ModelProto) -> dict[str, int]:
-    return {name: len(shape) for name, shape in _shapes(model).items()}
+    return {name: len(shape) for name, shape in _infer(model)[1].items()}
 
 
 def _decompose_batch_norm(node, ranks, taken, graph) -> list[onnx.NodeProto]:
