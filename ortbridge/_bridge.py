@@ -37,13 +37,10 @@ class Bridge:
         position = {name: i for i, name in enumerate(self.feed_names)}
         self.batch_norms = [] if frozen_batch_norm else _graph.batch_norm_nodes(model)
         self._stat_positions = [(position[b.mean], position[b.var]) for b in self.batch_norms]
+        #: Feed positions of the running statistics updated in train mode.
+        self.running_stat_positions = {p for pair in self._stat_positions for p in pair}
         self._gradient_graphs: dict = {}
         self._inference_graphs: dict = {}
-
-    @property
-    def running_stat_positions(self) -> set[int]:
-        """Feed positions of the running statistics updated in train mode."""
-        return {p for pair in self._stat_positions for p in pair}
 
     def _variant(self, mode: str, for_gradient: bool):
         model, extra = _graph.make_variant(

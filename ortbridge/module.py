@@ -132,8 +132,8 @@ class OnnxModule(nn.Module):
     def _check_trainable(self, chosen: set[str], default: bool) -> None:
         """Build the training graph now, so a graph that cannot train fails here."""
         device = self._device()
-        needs = [False] * len(self._summary.inputs) + [n in chosen for n in self._weight_names]
         while True:
+            needs = [False] * len(self._summary.inputs) + [n in chosen for n in self._weight_names]
             try:
                 self._bridge.gradient_graph(_graph.TRAIN, needs, device)
                 return
@@ -148,9 +148,6 @@ class OnnxModule(nn.Module):
                 owner = self._owner(path)
                 tensor = owner._parameters.pop(path[-1]).detach()
                 owner.register_buffer(path[-1], tensor)
-                needs = [False] * len(self._summary.inputs) + [
-                    n in chosen for n in self._weight_names
-                ]
 
     def _owner(self, path) -> nn.Module:
         owner = self
