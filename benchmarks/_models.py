@@ -53,6 +53,15 @@ def loss_fn(name: str):
     return nn.CrossEntropyLoss() if MODELS[name][2] else nn.MSELoss()
 
 
+def train_step(model, optimizer, loss_fn, x, y):
+    """One training step of a module: forward, loss, backward, optimizer step."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def export(model: nn.Module, x: torch.Tensor):
     """torch's current exporter, ``optimize=False`` so that every weight stays."""
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)

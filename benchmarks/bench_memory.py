@@ -40,9 +40,7 @@ def worker(variant: str, model_name: str, steps: int, every: int) -> None:
     loss_fn = _models.loss_fn(model_name)
     samples = []
     for step in range(steps + 1):
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        optimizer.step()
+        _models.train_step(model, optimizer, loss_fn, x, y)
         if step % every == 0:
             samples.append((step, rss_mb()))
     print(json.dumps(samples))

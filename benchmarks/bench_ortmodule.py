@@ -167,14 +167,6 @@ def ortbridge_layer(model: torch.nn.Module, x: torch.Tensor) -> OnnxModule:
     return layer
 
 
-def step(model, optimizer, loss_fn, x, y):
-    optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
 def measure(name: str, rounds: int, steps: int) -> dict:
     global _NO_SPIN
     factory, _, _ = _models.MODELS[name]
@@ -193,7 +185,7 @@ def measure(name: str, rounds: int, steps: int) -> dict:
     loss_fn = _models.loss_fn(name)
 
     def run(variant):
-        return step(modules[variant], optimizers[variant], loss_fn, x, y)
+        return _models.train_step(modules[variant], optimizers[variant], loss_fn, x, y)
 
     first = {}
     for v in VARIANTS:  # the first call exports and builds the graphs

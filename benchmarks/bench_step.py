@@ -39,14 +39,6 @@ from ortbridge._runtime import from_ortvalues, to_ortvalues  # noqa: E402
 LR = 0.01
 
 
-def eager_step(model, optimizer, loss_fn, x, y):
-    optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
 class RawAgentLoop:
     """The TrainingAgent driven by hand on the gradient graph of ``layer``."""
 
@@ -101,7 +93,7 @@ def measure(name: str, device: torch.device, rounds: int, steps: int) -> dict:
         module, optimizer = variants[variant]
         if variant == "raw":
             return module.step(optimizer, loss_fn, x, y)
-        return eager_step(module, optimizer, loss_fn, x, y)
+        return _models.train_step(module, optimizer, loss_fn, x, y)
 
     first = {v: float(run(v)) for v in variants}  # same weights: same first loss
     for v in variants:  # warm-up
