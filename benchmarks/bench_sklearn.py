@@ -52,6 +52,7 @@ from sklearn.neural_network import MLPRegressor
 
 import ortbridge
 from ortbridge.training import OnnxSGDRegressor, OrtFullGraphTrainer, OrtSGD
+from ortbridge.training._epoch_graph import EpochGraph
 
 
 def parse_args():
@@ -68,6 +69,9 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave)")
     parser.add_argument(
         "--no-full-graph", action="store_true", help="leave out the OrtFullGraphTrainer reference"
+    )
+    parser.add_argument(
+        "--by-batch", action="store_true", help="add the estimator's batch-by-batch path"
     )
     parser.add_argument("--output", help="write the figures as JSON to this file")
     return parser.parse_args()
@@ -114,8 +118,8 @@ def time_sklearn(start_mlp, X, y, epochs):
     return elapsed, float(mlp.loss_)
 
 
-def time_ortbridge(onx, X, y, epochs, hyper):
-    reg = OnnxSGDRegressor(onx, max_iter=1, **hyper)
+def time_ortbridge(onx, X, y, epochs, hyper, cls=OnnxSGDRegressor):
+    reg = cls(onx, max_iter=1, **hyper)
     begin = time.perf_counter()
     reg.fit(X, y)
     first = time.perf_counter() - begin
@@ -156,33 +160,35 @@ def time_full_graph(onx, X, y, epochs, args):
     return first, rest, float(trainer.train_losses_[-1]) / 2
 
 
-def breakdown(reg, X, y, batch, rounds=3):
-    """Median microseconds a batch spends in forward, backward and update.
+class _ByBatch(OnnxSGDRegressor):
+    """The estimator on its batch-by-batch path (models with BatchNormalization)."""
 
-    Replays the estimator's batch loop on its own module and optimizer.
-    """
-    X_t = torch.from_numpy(X)
-    y_t = torch.from_numpy(y.reshape(-1, 1))
-    w_t = torch.ones(len(X), 1)
-    module, optimizer = reg.module_, reg.optimizer_
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    parts = {"forward": [], "backward": [], "update": []}
-    for _ in range(rounds):
-        for start in range(0, len(X) - batch + 1, batch):
-            stop = start + batch
-            t0 = time.perf_counter()
-            loss = module(X_t[start:stop], y_t[start:stop], w_t[start:stop])
-            t1 = time.perf_counter()
-            for p in params:
-                p.grad = None
-            loss.backward()
-            t2 = time.perf_counter()
-            optimizer._step(1.0 / batch)
-            t3 = time.perf_counter()
-            parts["forward"].append(t1 - t0)
-            parts["backward"].append(t2 - t1)
-            parts["update"].append(t3 - t2)
-    return {k: statistics.median(v) * 1e6 for k, v in parts.items()}
+    def _epoch_engine(self):
+        return None
+
+
+def time_in_onnxruntime(onx, X, y, epochs, hyper):
+    """Seconds a fit spends inside the epoch graphs' onnxruntime calls, and in all."""
+    spent = []
+    run = EpochGraph.run
+
+    def timed(self, *args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - begin)
+
+    reg = OnnxSGDRegressor(onx, max_iter=1, **hyper).fit(X, y)
+    reg.set_params(warm_start=True, max_iter=epochs)
+    EpochGraph.run = timed
+    try:
+        begin = time.perf_counter()
+        reg.fit(X, y)
+        total = time.perf_counter() - begin
+    finally:
+        EpochGraph.run = run
+    return sum(spent), total
 
 
 def main():
@@ -197,7 +203,7 @@ def main():
     # a cost of the process, not of a fit, paid here before any timing.
     OrtSGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
-    runs = {"sklearn": [], "first": [], "rest": [], "full_graph": []}
+    runs = {"sklearn": [], "first": [], "rest": [], "full_graph": [], "by_batch": []}
     losses = {}
     for _ in range(args.repeat):
         elapsed, losses["sklearn"] = time_sklearn(mlp, X, y, args.epochs)
@@ -208,6 +214,11 @@ def main():
         if not args.no_full_graph:
             fg_first, fg_rest, losses["full_graph"] = time_full_graph(onx, X, y, args.epochs, args)
             runs["full_graph"].append(fg_first + fg_rest)
+        if args.by_batch:
+            first, rest, losses["by_batch"], _ = time_ortbridge(
+                onx, X, y, args.epochs, hyper, _ByBatch
+            )
+            runs["by_batch"].append(first + rest)
     med = {k: statistics.median(v) for k, v in runs.items() if v}
     sk, first, rest = med["sklearn"], med["first"], med["rest"]
     epoch = rest / max(args.epochs - 1, 1)
@@ -232,12 +243,18 @@ def main():
         print(
             f"{'full graph (reference)':28s} {fg:10.3f} {losses['full_graph']:12.6f} {fg / sk:7.2f}"
         )
+    if "by_batch" in med:
+        bb = med["by_batch"]
+        print(
+            f"{'batch by batch (reference)':28s} {bb:10.3f} {losses['by_batch']:12.6f} "
+            f"{bb / sk:7.2f}"
+        )
     n_batches = -(-args.rows // args.batch)
-    parts = breakdown(reg, X, y, args.batch)
+    in_ort, fit_s = time_in_onnxruntime(onx, X, y, args.epochs, hyper)
+    per_batch = fit_s / (args.epochs * n_batches) * 1e6
     print(
         f"a batch (us): scikit-learn {sk_epoch / n_batches * 1e6:.0f}; ortbridge "
-        f"{epoch / n_batches * 1e6:.0f}, medians: forward {parts['forward']:.0f}, "
-        f"backward {parts['backward']:.0f}, update {parts['update']:.0f}"
+        f"{per_batch:.0f}, of which {in_ort / fit_s:.0%} in onnxruntime's calls"
     )
     figures = {
         "args": vars(args),
@@ -246,7 +263,8 @@ def main():
         "ortbridge_build_and_first_epoch_s": first,
         "ratio": total / sk,
         "ratio_per_epoch": epoch / sk_epoch,
-        "ortbridge_batch_parts_us": parts,
+        "ortbridge_batch_us": per_batch,
+        "ortbridge_share_in_onnxruntime": in_ort / fit_s,
         "losses": losses,
         "runs": runs,
         "machine": {

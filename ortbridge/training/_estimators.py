@@ -26,6 +26,9 @@ from .._onnx_utils import np_dtype
 from .._ort import onnxruntime
 from ..exceptions import OnnxInputError, OnnxModelError, TrainingDivergedError
 from . import _losses
+from ._epoch_graph import EpochGraph
+from ._epoch_graph import Hyper as _Hyper
+from ._epoch_graph import Rule as _Rule
 from ._sgd import SklearnSGD
 
 __all__ = ["NotFittedError", "OnnxSGDClassifier", "OnnxSGDRegressor"]
@@ -180,6 +183,7 @@ class _BaseOnnxSGD(BaseEstimator):
             l1_ratio=self.l1_ratio,
         )
         self._penalised = coefs
+        self._penalised_names = {name for name in params if name in penalised}
         self.n_outputs_ = n_outputs
         self.n_iter_ = 0
         self.t_ = 0
@@ -187,6 +191,9 @@ class _BaseOnnxSGD(BaseEstimator):
         self.learning_rate_ = float(self.learning_rate_init)
         self._random_state = check_random_state(self.random_state)
         self._predictor = None
+        self._engine = False  # built by the first epoch
+        self._epoch_graphs = {}
+        self._flat = None
 
     # -- training --------------------------------------------------------------
 
@@ -222,14 +229,10 @@ class _BaseOnnxSGD(BaseEstimator):
             )
         else:
             self._sync_hyperparameters()
-        X_t = torch.from_numpy(X)
-        y_t = torch.from_numpy(np.ascontiguousarray(target))
-        ones = weight is None
-        w_t = torch.from_numpy(
-            np.ones((X.shape[0], 1), dtype=self._dtype_) if ones else weight.reshape(-1, 1)
-        )
+        y = np.ascontiguousarray(target)
+        w = np.ones((X.shape[0], 1), self._dtype_) if weight is None else weight.reshape(-1, 1)
         for _ in range(epochs):
-            self._epoch(X_t, y_t, w_t, None if ones else weight)
+            self._epoch(X, y, w, weight)
         return self
 
     def _sync_hyperparameters(self):
@@ -252,30 +255,164 @@ class _BaseOnnxSGD(BaseEstimator):
             alpha=self.alpha,
         )
         self.learning_rate_ = lr
+        if self.shuffle:
+            order = self._random_state.permutation(n)
+            X, y, w = X[order], y[order], w[order]
+        starts = np.arange(0, n, batch)
+        stops = np.minimum(starts + batch, n)
+        if weight is None:
+            sums = (stops - starts).astype(np.float64)
+        else:
+            sums = np.add.reduceat(w[:, 0].astype(np.float64), starts)
+        if self._epoch_engine() is None:
+            total = self._epoch_by_batch(X, y, w, starts, stops, sums, lr)
+        else:
+            total = self._epoch_in_graph(X, y, w, starts, stops, sums, lr)
+        self._predictor = None
+        self.n_iter_ += 1
+        self.t_ += n
+        self.loss_ = total / n
+        self.train_losses_.append(self.loss_)
+
+    def _diverged(self, value, start, stop, lr):
+        return TrainingDivergedError(
+            f"the training loss became {value} at epoch {self.n_iter_ + 1}, rows "
+            f"{start}:{stop} (learning rate {lr:g}): lower learning_rate_init, scale "
+            "X and y, or look for huge values in the data"
+        )
+
+    def _epoch_engine(self):
+        """What runs epochs in onnxruntime, or None to run batch by batch.
+
+        The model with its loss, ready for :class:`._epoch_graph.EpochGraph`;
+        models with BatchNormalization go batch by batch through ``module_``,
+        which keeps their running statistics.
+        """
+        if self._engine is False:
+            model = _graph.normalize(self.module_.to_onnx())
+            if any(node.op_type == "BatchNormalization" for node in model.graph.node):
+                self._engine = None
+            else:
+                model, _ = _graph.make_variant(model, _graph.TRAIN, False, for_gradient=True)
+                self._engine = model
+        return self._engine
+
+    def _epoch_graph(self, rows):
+        rule = _Rule(
+            velocity=self.momentum != 0,
+            nesterov=self.momentum != 0 and bool(self.nesterovs_momentum),
+            l2=self.alpha != 0 and self.l1_ratio != 1,
+            l1=self.alpha != 0 and self.l1_ratio != 0,
+        )
+        key = (rows, rule)
+        graph = self._epoch_graphs.get(key)
+        if graph is None:
+            if len(self._epoch_graphs) >= 8:  # partial_fit on ever new sizes
+                self._epoch_graphs.pop(next(iter(self._epoch_graphs)))
+            module = self.module_
+            graph = self._epoch_graphs[key] = EpochGraph(
+                self._epoch_engine(),
+                tuple(module.input_names),
+                module.output_names[0],
+                [name for name, _ in module.named_onnx_parameters()],
+                self._penalised_names,
+                rule,
+                rows,
+                _epoch_session_options(),
+            )
+        return graph
+
+    def _epoch_in_graph(self, X, y, w, starts, stops, sums, lr):
+        """The epoch as one onnxruntime call (two with a shorter last batch)."""
+        params = [p for _, p in self.module_.named_onnx_parameters()]
+        hyper = _Hyper(lr, self.momentum, self.alpha, self.l1_ratio)
+        velocity = self.momentum != 0
+        flat = self._flat_state(params, velocity)
+        batch = int(stops[0] - starts[0])
+        n_full = X.shape[0] // batch
+        keep = sums > 0  # every row of the batch has weight 0: nothing to learn
+        total = 0.0
+        groups = [(batch, slice(0, n_full * batch), np.arange(n_full))]
+        if n_full < len(starts):
+            groups.append((int(stops[-1] - starts[-1]), slice(n_full * batch, None), [n_full]))
+        state = [buffer.numpy() for buffer in flat]
+        for rows, part, index in groups:
+            index = np.asarray(index)[keep[index]]
+            if not len(index):
+                continue
+            graph = self._epoch_graph(rows)
+            data = [a[part].reshape(-1, rows, *a.shape[1:]) for a in (X, y, w)]
+            batches = index - index[0] if rows != batch else index
+            args = (data, batches, sums[index], hyper)
+            new_state, values = graph.run(*args, state)
+            finite = np.isfinite(values)
+            if not finite.all():
+                # Keep the weights of the last finite batch, then say where.
+                bad = int(np.argmin(finite))
+                if bad > 0:
+                    state, _ = graph.run(*args, state, trips=bad)
+                self._write_state(flat, state)
+                start = int(starts[index[bad]])
+                raise self._diverged(float(values[bad]), start, start + rows, lr)
+            state = new_state
+            # scikit-learn's loss_: the mean of each batch, weighted by its rows.
+            total += float(np.sum(values.astype(np.float64) / sums[index] * rows))
+        self._write_state(flat, state)
+        return total
+
+    def _flat_state(self, params, velocity):
+        """The epoch graphs' state: flat buffers the parameters and velocities are views of.
+
+        An epoch then reads the state without packing it and writes it back
+        with one copy per buffer. Made again when a parameter or a velocity
+        was replaced (``load_state_dict`` copies into them: it keeps them).
+        """
+        state = self.optimizer_.state
+        flat = self._flat
+        if flat is not None:
+            views = flat[1] + (flat[3] if velocity else [])
+            tensors = params + ([state[p].get("velocity") for p in params] if velocity else [])
+            if len(flat[1]) == len(params) and all(
+                t is not None and t.data_ptr() == v.data_ptr() and t.shape == v.shape
+                for t, v in zip(tensors, views)
+            ):
+                return [flat[0], flat[2]] if velocity else [flat[0]]
+        with torch.no_grad():
+            weights, weight_views = _flat_views([p.detach() for p in params])
+            for p, view in zip(params, weight_views):
+                p.data = view
+            velocities = [state[p].get("velocity") for p in params]
+            velocities = [
+                torch.zeros_like(p) if v is None else v for p, v in zip(params, velocities)
+            ]
+            vel, vel_views = _flat_views(velocities)
+            for p, view in zip(params, vel_views):
+                state[p]["velocity"] = view
+        self._flat = (weights, weight_views, vel, vel_views)
+        return [weights, vel] if velocity else [weights]
+
+    @staticmethod
+    def _write_state(flat, state):
+        """Copy the state an epoch graph returned into the flat buffers."""
+        for buffer, value in zip(flat, state):
+            np.copyto(buffer.numpy(), value)
+
+    def _epoch_by_batch(self, X, y, w, starts, stops, sums, lr):
+        """The epoch batch by batch: ``module_`` forward and backward, then ``optimizer_``."""
         for group in self.optimizer_.param_groups:
             group["lr"] = lr
-        if self.shuffle:
-            order = torch.from_numpy(self._random_state.permutation(n))
-            X, y, w = X[order], y[order], w[order]
-            if weight is not None:
-                weight = weight[order.numpy()]
+        X, y, w = (torch.from_numpy(np.ascontiguousarray(a)) for a in (X, y, w))
         module, optimizer = self.module_, self.optimizer_
         params = [p for group in optimizer.param_groups for p in group["params"]]
         penalty = self.alpha > 0 and bool(self._penalised)
         total = 0.0
-        for start in range(0, n, batch):
-            stop = min(start + batch, n)
-            sw = float(stop - start) if weight is None else float(weight[start:stop].sum())
+        for start, stop, sw in zip(starts.tolist(), stops.tolist(), sums.tolist()):
             loss = module(X[start:stop], y[start:stop], w[start:stop])
             value = loss.item()
             if penalty:
                 value += self._penalty_value()
             if not math.isfinite(value):
-                raise TrainingDivergedError(
-                    f"the training loss became {value} at epoch {self.n_iter_ + 1}, rows "
-                    f"{start}:{stop} (learning rate {lr:g}): lower learning_rate_init, scale "
-                    "X and y, or look for huge values in the data"
-                )
+                raise self._diverged(value, start, stop, lr)
             if sw <= 0:
                 continue  # every row of the batch has weight 0: nothing to learn
             for p in params:
@@ -284,11 +421,7 @@ class _BaseOnnxSGD(BaseEstimator):
             optimizer._step(1.0 / sw)
             # scikit-learn's loss_: the mean of the batch, weighted by its rows.
             total += value / sw * (stop - start)
-        self._predictor = None
-        self.n_iter_ += 1
-        self.t_ += n
-        self.loss_ = total / n
-        self.train_losses_.append(self.loss_)
+        return total
 
     def _penalty_value(self):
         alpha, l1_ratio = self.alpha, self.l1_ratio
@@ -358,7 +491,8 @@ class _BaseOnnxSGD(BaseEstimator):
         state.pop("_predictor", None)
         module = state.pop("module_", None)
         optimizer = state.pop("optimizer_", None)
-        state.pop("_penalised", None)
+        for name in ("_penalised", "_penalised_names", "_engine", "_epoch_graphs", "_flat"):
+            state.pop(name, None)
         if module is not None:
             params = dict(module.named_onnx_parameters())
             state["_saved_weights"] = {n: p.detach().numpy().copy() for n, p in params.items()}
@@ -381,7 +515,7 @@ class _BaseOnnxSGD(BaseEstimator):
         saved = dict(self.__dict__)
         self._initialize(self.n_outputs_)
         for name, value in saved.items():
-            if name not in ("module_", "optimizer_", "_penalised", "_predictor"):
+            if name not in _REBUILT:
                 setattr(self, name, value)
         self._sync_hyperparameters()
         params = dict(self.module_.named_onnx_parameters())
@@ -609,6 +743,34 @@ class OnnxSGDClassifier(ClassifierMixin, _BaseOnnxSGD):
     def predict(self, X):
         """Labels from ``classes_``."""
         return self.classes_[(self.decision_function(X) > 0).astype(int)]
+
+
+#: Attributes ``_initialize`` makes, not restored from a pickle.
+_REBUILT = ("module_", "optimizer_", "_penalised", "_penalised_names", "_predictor", "_engine",
+            "_epoch_graphs", "_flat")  # fmt: skip
+
+
+def _flat_views(tensors):
+    """A flat tensor holding copies of ``tensors``, and views of it shaped as them."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+    views, offset = [], 0
+    for t in tensors:
+        view = flat[offset : offset + t.numel()].view(t.shape)
+        view.copy_(t)
+        views.append(view)
+        offset += t.numel()
+    return flat, views
+
+
+def _epoch_session_options():
+    """One thread: the steps of an estimator are small, thread hand-overs cost more."""
+    ort = onnxruntime()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
 
 
 def _positive_int(value):

@@ -29,13 +29,13 @@ from .. import _ort
 from .._graph import load_model, normalize, weights_as_inputs, with_weights
 from .._onnx_utils import FLOAT_TYPES, np_dtype
 from ..exceptions import (
-    NotDifferentiableError,
     NotFittedError,
     OnnxInputError,
     OnnxModelError,
     TrainingDivergedError,
 )
 from ..losses import add_loss_output, pin_ir_version
+from ._gradient import gradient_model
 from ._update_graph import (
     LEARNING_RATE,
     StateSlot,
@@ -79,8 +79,6 @@ def build_training_graph(
     ``weighted``), the learning rate, then every state slot; outputs: the
     loss, then the next value of every slot.
     """
-    ort = _ort.onnxruntime()
-    C = ort.capi._pybind_state
     with_loss = add_loss_output(
         model,
         loss,
@@ -90,34 +88,11 @@ def build_training_graph(
         label_name=_LABEL,
         loss_name=_LOSS,
     )
-    graph = with_loss.graph
-    del graph.output[1:]  # predictions are not needed while training
-    elem = graph.output[0].type.tensor_type.elem_type
-    loss_name = _LOSS
-    if elem != onnx.TensorProto.FLOAT:
-        # The gradient builder seeds the backward with a float32 gradient of
-        # the loss: a float64 loss is cast to float32 for it (the cast's
-        # gradient casts back, the weights' gradients stay float64).
-        loss_name = f"{_LOSS}/float32"
-        graph.node.append(
-            onnx.helper.make_node("Cast", [_LOSS], [loss_name], to=onnx.TensorProto.FLOAT)
-        )
-        graph.output[0].CopyFrom(
-            onnx.helper.make_tensor_value_info(loss_name, onnx.TensorProto.FLOAT, [])
-        )
-    forward = weights_as_inputs(with_loss, trainable)
+    elem = with_loss.graph.output[0].type.tensor_type.elem_type
     shapes = {init.name: tuple(init.dims) for init in model.graph.initializer}
-    so = session_options or _session_options()
-    try:
-        optimized = C.get_optimized_model(forward.SerializeToString(), set(trainable), so)
-        builder = C.GradientGraphBuilder(optimized, {loss_name}, set(trainable), loss_name, so)
-        builder.build()
-        graph_model = onnx.load_from_string(builder.get_model())
-    except Exception as exc:
-        raise NotDifferentiableError(
-            f"onnxruntime could not build the gradient of loss {loss!r} with respect to "
-            f"{trainable}: {exc}"
-        ) from exc
+    graph_model, loss_name, data_inputs = gradient_model(
+        with_loss, _LOSS, trainable, session_options or _session_options()
+    )
     graph = graph_model.graph
     del graph.output[1:]  # the gradients feed the update, they are not returned
     slots = append_update(
@@ -125,7 +100,6 @@ def build_training_graph(
     )
     declare_slots(graph, slots, elem)
     pin_ir_version(graph_model)
-    data_inputs = [i.name for i in forward.graph.input if i.name not in set(trainable)]
     return TrainingGraph(graph_model, data_inputs, slots, np_dtype(elem), loss_name)
 
 

@@ -77,7 +77,7 @@ def _scalar_names(flags: _Flags) -> tuple[str, ...]:
         names += ["d"] if flags.l2 else []
         names += ["e"] if flags.l1 else []
         return (*names, "sc")
-    return ("ka",)
+    return () if flags.unit_grad and flags.unit_step else ("ka",)
 
 
 def _scalar_values(flags: _Flags, a, d, e, c, s, mu) -> list[float]:
@@ -87,14 +87,16 @@ def _scalar_values(flags: _Flags, a, d, e, c, s, mu) -> list[float]:
     return [values[name] for name in _scalar_names(flags)]
 
 
-def _update_nodes(i, k, flags):
+def _update_nodes(i, k, flags, penalised=None):
     """Nodes updating parameter ``i`` with the scalars of set ``k``.
 
     The operations are torch.optim.SGD's, in its order, so that float32
     results round the same way; a multiplication by a coefficient that is
-    always 1 is left out.
+    always 1 is left out. The penalty terms read ``penalised`` (the
+    parameter by default).
     """
     w, g, v = f"w{i}", f"g{i}", f"v{i}"
+    pw = penalised or w
 
     def sc(name):
         return f"k{k}_{name}"
@@ -106,8 +108,11 @@ def _update_nodes(i, k, flags):
     add = nodes.append
     make = helper.make_node
     if not (flags.velocity or flags.l2 or flags.l1):
-        add(make("Mul", [sc("ka"), g], [t("step")]))
-        add(make("Add", [w, t("step")], [f"w{i}_new"]))
+        if flags.unit_grad and flags.unit_step:
+            add(make("Add", [w, g], [f"w{i}_new"]))
+        else:
+            add(make("Mul", [sc("ka"), g], [t("step")]))
+            add(make("Add", [w, t("step")], [f"w{i}_new"]))
         return nodes
     # The gradient with its penalty terms, times c when there is a velocity.
     pre = "c" if flags.velocity else ""
@@ -116,11 +121,11 @@ def _update_nodes(i, k, flags):
         add(make("Mul", [sc(f"{pre}a"), g], [t("ga")]))
         grad = t("ga")
     if flags.l2:
-        add(make("Mul", [sc(f"{pre}d"), w], [t("dw")]))
+        add(make("Mul", [sc(f"{pre}d"), pw], [t("dw")]))
         add(make("Add", [grad, t("dw")], [t("g_l2")]))
         grad = t("g_l2")
     if flags.l1:
-        add(make("Sign", [w], [t("sign")]))
+        add(make("Sign", [pw], [t("sign")]))
         add(make("Mul", [sc(f"{pre}e"), t("sign")], [t("ew")]))
         add(make("Add", [grad, t("ew")], [t("g_l1")]))
         grad = t("g_l1")

@@ -1,0 +1,199 @@
+"""The estimators' epoch graph: one onnxruntime call an epoch, the batch-by-batch weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import export
+from onnx import TensorProto, helper, numpy_helper
+
+from ortbridge import OnnxModule
+from ortbridge._onnx_utils import make_model
+from ortbridge.exceptions import TrainingDivergedError
+from ortbridge.training import OnnxSGDClassifier, OnnxSGDRegressor
+from ortbridge.training._epoch_graph import EpochGraph
+
+
+def mlp_model(dtype=np.float32, n_in=5, hidden=7, n_out=1, seed=0):
+    """x -> Relu(x @ w1 + b1) @ w2 + b2 in ``dtype`` (no Relu in float64: onnxruntime
+    has no float64 ReluGrad kernel)."""
+    rng = np.random.default_rng(seed)
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.DOUBLE
+    inits = {
+        "w1": rng.standard_normal((n_in, hidden)) / np.sqrt(n_in),
+        "b1": rng.standard_normal(hidden) * 0.1,
+        "w2": rng.standard_normal((hidden, n_out)) / np.sqrt(hidden),
+        "b2": rng.standard_normal(n_out) * 0.1,
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        helper.make_node("Relu" if dtype == np.float32 else "Identity", ["h1"], ["h"]),
+        helper.make_node("MatMul", ["h", "w2"], ["o0"]),
+        helper.make_node("Add", ["o0", "b2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", elem, ["n", n_in])],
+        [helper.make_tensor_value_info("y", elem, ["n", n_out])],
+        [numpy_helper.from_array(v.astype(dtype), k) for k, v in inits.items()],
+    )
+    return make_model(graph)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(120, 5))
+    y = X[:, 0] - 2 * X[:, 1] + np.sin(X[:, 2])
+    weight = rng.uniform(0.5, 2.0, size=len(X))
+    weight[32:48] = 0.0  # the third batch of 16 rows has nothing to learn
+    return X, y, weight
+
+
+def by_batch(estimator):
+    """The same estimator forced onto the batch-by-batch path."""
+    estimator._epoch_engine = lambda: None
+    return estimator
+
+
+def state_of(est):
+    params = dict(est.module_.named_onnx_parameters())
+    weights = {n: p.detach().numpy().copy() for n, p in params.items()}
+    velocities = {
+        n: est.optimizer_.state[p]["velocity"].numpy().copy()
+        for n, p in params.items()
+        if "velocity" in est.optimizer_.state[p]
+    }
+    return weights, velocities
+
+
+CASES = {
+    # Every case has sample weights and a last batch of 8 rows; without
+    # shuffling the third batch has weight 0. Nesterov, a penalty on w1 and
+    # w2 (not the biases), a schedule:
+    "nesterov-elastic-penalty": dict(
+        alpha=0.05, l1_ratio=0.3, learning_rate="invscaling", learning_rate_init=0.05
+    ),
+    "momentum-absolute-no-shuffle": dict(
+        loss="absolute_error", nesterovs_momentum=False, shuffle=False
+    ),
+    "elastic-loss": dict(loss="elastic", momentum=0.5),
+    "no-momentum-l2": dict(momentum=0.0, alpha=0.1),
+    "no-momentum-l1": dict(momentum=0.0, alpha=0.1, l1_ratio=1.0),
+    "plain": dict(momentum=0.0),
+    "optimal": dict(learning_rate="optimal", momentum=0.0, alpha=5.0, l1_ratio=0.5),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_epochs_in_one_call_match_batch_by_batch(data, case, dtype):
+    X, y, weight = data
+    X, y = X.astype(dtype), y.astype(dtype)
+    params = dict(learning_rate_init=0.02, batch_size=16, max_iter=3, random_state=0)
+    params.update(CASES[case])
+    fast = OnnxSGDRegressor(mlp_model(dtype), **params).fit(X, y, weight)
+    slow = by_batch(OnnxSGDRegressor(mlp_model(dtype), **params)).fit(X, y, weight)
+    assert fast._engine is not None and slow._engine is False
+    (wf, vf), (ws, vs) = state_of(fast), state_of(slow)
+    tol = 2e-5 if dtype == np.float32 else 1e-12
+    for name in ws:
+        np.testing.assert_allclose(wf[name], ws[name], atol=tol, rtol=tol, err_msg=name)
+    assert vf.keys() >= vs.keys()
+    for name in vs:
+        np.testing.assert_allclose(vf[name], vs[name], atol=tol, rtol=tol, err_msg=name)
+    np.testing.assert_allclose(fast.train_losses_, slow.train_losses_, rtol=tol)
+    assert fast.n_iter_ == slow.n_iter_ == 3 and fast.t_ == slow.t_ == 3 * len(X)
+
+
+def test_classifier_epochs_match_batch_by_batch(data):
+    X, y, weight = data
+    X, labels = X.astype(np.float32), np.where(y > 0, "a", "b")
+    params = dict(learning_rate_init=0.05, batch_size=16, max_iter=3, random_state=0, alpha=0.01)
+    fast = OnnxSGDClassifier(mlp_model(), **params).fit(X, labels, weight)
+    slow = by_batch(OnnxSGDClassifier(mlp_model(), **params)).fit(X, labels, weight)
+    for name, value in state_of(slow)[0].items():
+        np.testing.assert_allclose(state_of(fast)[0][name], value, atol=2e-5, err_msg=name)
+    np.testing.assert_allclose(fast.train_losses_, slow.train_losses_, rtol=2e-5)
+
+
+@pytest.mark.parametrize("rows,calls_per_epoch", [(128, 1), (120, 2)])
+def test_one_onnxruntime_call_an_epoch(data, monkeypatch, rows, calls_per_epoch):
+    """One call an epoch, two with a shorter last batch; the module is never run."""
+    X, y, _ = data
+    X = np.concatenate([X, X])[:rows].astype(np.float32)
+    y = np.concatenate([y, y])[:rows].astype(np.float32)
+    calls = {"epoch": 0, "module": 0}
+    run, forward = EpochGraph.run, OnnxModule.forward
+
+    def counted_run(self, *args, **kwargs):
+        calls["epoch"] += 1
+        return run(self, *args, **kwargs)
+
+    def counted_forward(self, *args, **kwargs):
+        calls["module"] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(EpochGraph, "run", counted_run)
+    monkeypatch.setattr(OnnxModule, "forward", counted_forward)
+    reg = OnnxSGDRegressor(mlp_model(), batch_size=16, max_iter=4, random_state=0).fit(X, y)
+    assert calls == {"epoch": 4 * calls_per_epoch, "module": 0}
+    assert sorted(rows for rows, _ in reg._epoch_graphs) == sorted({16, rows % 16 or 16})
+
+
+def test_divergence_keeps_the_last_finite_weights(data):
+    """A loss that overflows at the fourth batch: both paths stop there, same weights."""
+    X, y, _ = data
+    X, y = X.astype(np.float32), y.astype(np.float32)
+    y[50] = 3e38  # rows 48:64, the fourth batch of 16
+    params = dict(learning_rate_init=0.01, batch_size=16, shuffle=False, max_iter=2)
+    fast = OnnxSGDRegressor(mlp_model(), **params)
+    slow = by_batch(OnnxSGDRegressor(mlp_model(), **params))
+    messages = []
+    for est in (fast, slow):
+        with pytest.raises(TrainingDivergedError, match=r"became inf at epoch 1, rows 48:64") as e:
+            est.fit(X, y)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+    (wf, vf), (ws, vs) = state_of(fast), state_of(slow)
+    for name in ws:
+        assert np.isfinite(wf[name]).all()
+        np.testing.assert_allclose(wf[name], ws[name], atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(vf[name], vs[name], atol=1e-6, err_msg=name)
+    # Three batches were learnt: the weights moved from the model's.
+    fresh = state_of(OnnxSGDRegressor(mlp_model(), **params).partial_fit(X[:48], y[:48]))[0]
+    for name in ws:
+        np.testing.assert_allclose(wf[name], fresh[name], atol=1e-6, err_msg=name)
+
+
+def test_state_dict_loaded_between_fits_is_used(data):
+    """The parameters are views of the epoch graph's state: loading weights reaches it."""
+    X, y, _ = data
+    X, y = X.astype(np.float32), y.astype(np.float32)
+    params = dict(learning_rate_init=0.02, batch_size=16, shuffle=False, momentum=0.0)
+    reg = OnnxSGDRegressor(mlp_model(), max_iter=3, **params).fit(X, y)
+    start = OnnxSGDRegressor(mlp_model(seed=5), **params).partial_fit(X[:1], y[:1])
+    reg.module_.load_state_dict(start.module_.state_dict())
+    reg.partial_fit(X, y)
+    start.partial_fit(X, y)
+    for name, value in state_of(start)[0].items():
+        np.testing.assert_allclose(state_of(reg)[0][name], value, atol=1e-6, err_msg=name)
+
+
+def test_batch_norm_models_train_batch_by_batch(data):
+    """BatchNormalization's running statistics need the module: no epoch graph."""
+    X, y, _ = data
+    X, y = X.astype(np.float32), y.astype(np.float32)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    ).train()
+    onx = export(net, (torch.zeros(4, 5),))
+    reg = OnnxSGDRegressor(onx, learning_rate_init=0.02, batch_size=16, max_iter=5, random_state=0)
+    reg.fit(X, y)
+    assert reg._engine is None and not reg._epoch_graphs
+    assert reg.train_losses_[-1] < reg.train_losses_[0]
+    mean = dict(reg.module_.named_buffers())
+    assert any("running_mean" in name and value.abs().sum() > 0 for name, value in mean.items())
