@@ -7,25 +7,27 @@ penalty):
 - ``scikit-learn``: ``MLPRegressor(hidden_layer_sizes=(50, 10), solver="sgd")``,
   forward, backward and update in numpy;
 - ``ortbridge``: :class:`ortbridge.training.OnnxSGDRegressor` on the ONNX
-  conversion (skl2onnx) of that network: forward and backward of the model
-  and its loss by onnxruntime through :class:`ortbridge.OnnxModule`, the update
-  of every weight by one onnxruntime call (:class:`ortbridge.training.OrtSGD`'s
-  machinery) per batch;
+  conversion (skl2onnx) of that network: an epoch is one onnxruntime call
+  (forward, loss, backward and update of every batch in a ``Loop``);
 - ``full graph`` (reference, ``--no-full-graph`` to leave it out):
   :class:`ortbridge.training.OrtFullGraphTrainer`, forward, loss, backward and
-  update in one onnxruntime call a batch, set up to take scikit-learn's steps.
+  update in one onnxruntime call a batch, set up to take scikit-learn's steps;
+- ``batch by batch`` (reference, ``--by-batch``): the estimator's path for
+  models with BatchNormalization, ``OnnxModule`` forward and backward then one
+  update call, three onnxruntime calls a batch.
 
 All start from an ``MLPRegressor`` fitted for one epoch (then converted); by
 default none shuffles, so all see the batches in the same order and must
 end at the same loss (the estimator follows scikit-learn's update rule).
 ``ortbridge`` is timed in two parts: building the training graph and the first
-epoch, then the remaining epochs.
+epoch, then the remaining epochs; a last fit measures the share of its time
+spent inside onnxruntime's calls.
 
 Hypothesis: onnxruntime's kernels are not slower than numpy's, so the ratio is
-set by the fixed cost of a batch: three onnxruntime calls (forward, backward,
-update) plus torch's autograd and Python against scikit-learn's numpy calls.
-The target is ortbridge <= 0.5x scikit-learn's time at an equal or better
-loss; onnxcustom's original fallback training was about 0.95x.
+set by the fixed costs of a batch: calls into onnxruntime, Python, and the
+nodes of the graph, each a microsecond or so of dispatch. The target is
+ortbridge <= 0.5x scikit-learn's time at an equal or better loss; onnxcustom's
+original fallback training was about 0.95x.
 
     python benchmarks/bench_sklearn.py --rows 1000 --features 100 --batch 15 --epochs 100
 """

@@ -84,6 +84,7 @@ CASES = {
     "no-momentum-l2": dict(momentum=0.0, alpha=0.1),
     "no-momentum-l1": dict(momentum=0.0, alpha=0.1, l1_ratio=1.0),
     "plain": dict(momentum=0.0),
+    "first-layer-frozen": dict(trainable=["w2", "b2"], alpha=0.1),
     "optimal": dict(learning_rate="optimal", momentum=0.0, alpha=5.0, l1_ratio=0.5),
 }
 

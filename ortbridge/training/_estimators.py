@@ -1,13 +1,21 @@
 """scikit-learn estimators training an ONNX model with onnxruntime.
 
 The model predicts (a regressor's prediction, a binary classifier's raw
-score). Fitting appends a loss to its graph (:func:`._losses.append_loss`),
-wraps the result in :class:`ortbridge.OnnxModule` (one forward gives the
-summed loss of a batch, one backward every gradient) and updates the weights
-with :class:`._sgd.SklearnSGD` (one onnxruntime call a batch). Conventions
-are ``MLPRegressor``'s: gradients averaged over the batch, learning rate set
-at the start of each epoch, elastic penalty on the coefficients (the weights
-of MatMul/Gemm/Conv nodes) divided by the batch.
+score). Fitting appends a loss to its graph (:func:`._losses.append_loss`)
+and wraps the result in :class:`ortbridge.OnnxModule`, whose parameters hold
+the weights, with :class:`._sgd.SklearnSGD`, whose state holds the
+velocities. An epoch then runs one of two ways, to the same weights:
+
+- in one onnxruntime call (:mod:`._epoch_graph`): a ``Loop`` whose every
+  step slices its batch, runs forward, loss, backward and update; the
+  parameters and velocities are views of its flat state;
+- batch by batch, for models with BatchNormalization (their running
+  statistics are updated by the module's forward): the module's forward
+  and backward, then ``SklearnSGD``'s update, one onnxruntime call each.
+
+Conventions are ``MLPRegressor``'s: gradients averaged over the batch,
+learning rate set at the start of each epoch, elastic penalty on the
+coefficients (the weights of MatMul/Gemm/Conv nodes) divided by the batch.
 """
 
 from __future__ import annotations
@@ -476,8 +484,10 @@ class _BaseOnnxSGD(BaseEstimator):
         if self._predictor is None:
             ort = onnxruntime()
             model = self.to_onnx()
+            options = ort.SessionOptions()
+            options.log_severity_level = 3  # not the optimizer's notes on the graph
             session = ort.InferenceSession(
-                model.SerializeToString(), providers=["CPUExecutionProvider"]
+                model.SerializeToString(), options, providers=["CPUExecutionProvider"]
             )
             self._predictor = (session, session.get_inputs()[0].name)
         session, name = self._predictor
