@@ -95,7 +95,7 @@ def measure(name: str, device: torch.device, rounds: int, steps: int) -> dict:
             return module.step(optimizer, loss_fn, x, y)
         return _models.train_step(module, optimizer, loss_fn, x, y)
 
-    first = {v: float(run(v)) for v in variants}  # same weights: same first loss
+    first = {v: run(v).item() for v in variants}  # same weights: same first loss
     for v in variants:  # warm-up
         for _ in range(steps):
             run(v)

@@ -1,0 +1,214 @@
+"""Where the time of one training step goes: ortbridge against torch eager.
+
+The step of ``bench_step.py`` (forward, loss, backward, ``torch.optim.SGD``)
+on one model, stamped at every hand-over: torch's own phases for eager;
+for ortbridge also the entry and exit of the generated autograd Function and
+of onnxruntime's ``TrainingAgent`` calls (wrapped here, the module is not
+changed). Medians over the timed steps, interleaved blocks; then
+onnxruntime's forward + backward alone in a tight loop, and torch's, to
+compare the kernels without anything around them.
+
+    python benchmarks/bench_step_parts.py --model mlp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _models  # noqa: E402
+
+from ortbridge import OnnxModule  # noqa: E402
+from ortbridge._ort import capi  # noqa: E402
+from ortbridge._runtime import to_ortvalues  # noqa: E402
+
+LR = 0.01
+EAGER = [
+    ("zero_grad", "start", "zero_grad"),
+    ("forward", "zero_grad", "forward"),
+    ("loss", "forward", "loss"),
+    ("backward", "loss", "backward"),
+    ("SGD step", "backward", "step"),
+]
+ORTBRIDGE = [
+    ("zero_grad", "start", "zero_grad"),
+    ("module checks, into the Function", "zero_grad", "fn_forward_in"),
+    ("inputs to onnxruntime", "fn_forward_in", "ort_forward_call"),
+    ("onnxruntime forward", "ort_forward_call", "ort_forward_return"),
+    ("outputs back to torch", "ort_forward_return", "forward"),
+    ("loss", "forward", "loss"),
+    ("autograd down to the Function", "loss", "fn_backward_in"),
+    ("gradients to onnxruntime", "fn_backward_in", "ort_backward_call"),
+    ("onnxruntime backward", "ort_backward_call", "ort_backward_return"),
+    ("gradients back, accumulated", "ort_backward_return", "backward"),
+    ("SGD step", "backward", "step"),
+]
+
+
+class _Stamps(list):
+    def mark(self, name):
+        self.append((name, time.perf_counter()))
+
+
+class _TimedAgent:
+    """A TrainingAgent whose calls are stamped."""
+
+    def __init__(self, agent, stamps):
+        self.agent, self.stamps = agent, stamps
+
+    def run_forward(self, *args):
+        self.stamps.mark("ort_forward_call")
+        result = self.agent.run_forward(*args)
+        self.stamps.mark("ort_forward_return")
+        return result
+
+    def run_backward(self, *args):
+        self.stamps.mark("ort_backward_call")
+        result = self.agent.run_backward(*args)
+        self.stamps.mark("ort_backward_return")
+        return result
+
+
+def _stamped_layer(layer, x, stamps):
+    graph = layer._bridge.gradient_graph(
+        "train", (False,) * len(layer.input_names) + (True,) * len(layer._weight_names), x.device
+    )
+    graph.agent = _TimedAgent(graph.agent, stamps)
+    function = layer.function
+    forward, backward = function.forward, function.backward
+
+    def stamped_forward(*args):
+        stamps.mark("fn_forward_in")
+        return forward(*args)
+
+    def stamped_backward(*args):
+        stamps.mark("fn_backward_in")
+        return backward(*args)
+
+    function.forward = staticmethod(stamped_forward)
+    function.backward = staticmethod(stamped_backward)
+
+
+def _step(module, optimizer, loss_fn, x, y, stamps):
+    stamps.mark("start")
+    optimizer.zero_grad(set_to_none=True)
+    stamps.mark("zero_grad")
+    out = module(x)
+    stamps.mark("forward")
+    loss = loss_fn(out, y)
+    stamps.mark("loss")
+    loss.backward()
+    stamps.mark("backward")
+    optimizer.step()
+    stamps.mark("step")
+
+
+def _phases(stamps, spans):
+    times = dict(stamps)
+    return {label: (times[b] - times[a]) * 1e6 for label, a, b in spans}
+
+
+def measure(name: str, rounds: int, steps: int) -> dict:
+    factory, _, _ = _models.MODELS[name]
+    torch.manual_seed(0)
+    model = factory()
+    x, y = _models.data(name, torch.device("cpu"))
+    layer = OnnxModule(_models.export(model, x))
+    loss_fn = _models.loss_fn(name)
+    stamps = _Stamps()
+    _stamped_layer(layer, x, stamps)
+    variants = {
+        "eager": (model, torch.optim.SGD(model.parameters(), lr=LR), EAGER),
+        "ortbridge": (layer, torch.optim.SGD(layer.parameters(), lr=LR), ORTBRIDGE),
+    }
+    parts = {v: {label: [] for label, _, _ in spans} for v, (_, _, spans) in variants.items()}
+    totals = {v: [] for v in variants}
+    for round_ in range(rounds + 1):
+        for v, (module, optimizer, spans) in variants.items():
+            for _ in range(steps):
+                stamps.clear()
+                _step(module, optimizer, loss_fn, x, y, stamps)
+                if round_:  # the first round warms up
+                    for label, value in _phases(stamps, spans).items():
+                        parts[v][label].append(value)
+                    totals[v].append((stamps[-1][1] - stamps[0][1]) * 1e6)
+    result = {
+        v: {label: statistics.median(values) for label, values in p.items()}
+        for v, p in parts.items()
+    }
+    result["total"] = {v: statistics.median(t) for v, t in totals.items()}
+    result["alone"] = _alone(model, layer, x, y, loss_fn, steps * rounds)
+    return result
+
+
+def _alone(model, layer, x, y, loss_fn, n):
+    """Forward + backward without anything around: onnxruntime's, then torch's."""
+    C = capi()
+    graph = layer._bridge.gradient_graph(
+        "train", (False,) * len(layer.input_names) + (True,) * len(layer._weight_names), x.device
+    )
+    agent = graph.agent.agent  # the unstamped one
+    feeds = dict(zip(layer._bridge.feed_names, [x, *(w.detach() for w in layer._weights())]))
+    out_grad = torch.randn_like(model(x)) / x.shape[0]
+
+    def ort():
+        outputs, state = C.OrtValueVector(), C.PartialGraphExecutionState()
+        agent.run_forward(to_ortvalues([feeds[k] for k in graph.feed_names]), outputs, state, None)
+        agent.run_backward(to_ortvalues([out_grad]), C.OrtValueVector(), state)
+
+    def eager():
+        model.zero_grad(set_to_none=True)
+        model(x).backward(out_grad)
+
+    times = {"onnxruntime": [], "torch": []}
+    for i in range(n // 10 + 1):
+        for label, fn in (("onnxruntime", ort), ("torch", eager)):
+            begin = time.perf_counter()
+            for _ in range(10):
+                fn()
+            if i:
+                times[label].append((time.perf_counter() - begin) / 10 * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mlp", choices=list(_models.MODELS))
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--output", help="write the figures as JSON to this file")
+    args = parser.parse_args(argv)
+    r = measure(args.model, args.rounds, args.steps)
+    print(f"{args.model}: median us of each phase of a step")
+    for variant in ("eager", "ortbridge"):
+        print(f"  {variant}")
+        for label, value in r[variant].items():
+            print(f"    {label:36s} {value:8.1f}")
+        print(f"    {'whole step':36s} {r['total'][variant]:8.1f}")
+    ort = r["ortbridge"]["onnxruntime forward"] + r["ortbridge"]["onnxruntime backward"]
+    print(
+        f"  onnxruntime's two calls: {ort:.1f} us of ortbridge's {r['total']['ortbridge']:.1f} "
+        f"({ort / r['total']['ortbridge']:.0%}); ortbridge / eager "
+        f"{r['total']['ortbridge'] / r['total']['eager']:.3f}"
+    )
+    alone = r["alone"]
+    print(
+        f"  forward + backward alone: onnxruntime {alone['onnxruntime']:.1f} us, torch "
+        f"{alone['torch']:.1f} us ({alone['onnxruntime'] / alone['torch']:.3f})"
+    )
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump({"model": args.model, "torch": torch.__version__, **r}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
