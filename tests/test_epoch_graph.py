@@ -198,3 +198,12 @@ def test_batch_norm_models_train_batch_by_batch(data):
     assert reg.train_losses_[-1] < reg.train_losses_[0]
     mean = dict(reg.module_.named_buffers())
     assert any("running_mean" in name and value.abs().sum() > 0 for name, value in mean.items())
+
+
+def test_small_steps_run_on_one_thread():
+    """Waking a second thread costs more than a small step: one thread under 4e6 multiply-adds."""
+    from ortbridge.training._estimators import _epoch_session_options
+
+    assert _epoch_session_options(15 * 5_600).intra_op_num_threads == 1
+    big = _epoch_session_options(64 * 200_000).intra_op_num_threads
+    assert big == torch.get_num_threads()
