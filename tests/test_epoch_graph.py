@@ -207,3 +207,18 @@ def test_small_steps_run_on_one_thread():
     assert _epoch_session_options(15 * 5_600).intra_op_num_threads == 1
     big = _epoch_session_options(64 * 200_000).intra_op_num_threads
     assert big == torch.get_num_threads()
+
+
+def test_mixed_precision_weights_train_batch_by_batch(data):
+    """Weights of two types cannot share one flat state: the batch-by-batch path."""
+    X, y, _ = data
+    model = mlp_model()
+    w2 = next(init for init in model.graph.initializer if init.name == "w2")
+    w2.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w2).astype(np.float64), "w2"))
+    model.graph.node[3].CopyFrom(helper.make_node("Cast", ["h"], ["h64"], to=TensorProto.DOUBLE))
+    model.graph.node.insert(4, helper.make_node("MatMul", ["h64", "w2"], ["o64"]))
+    model.graph.node.insert(5, helper.make_node("Cast", ["o64"], ["o0"], to=TensorProto.FLOAT))
+    reg = OnnxSGDRegressor(model, learning_rate_init=0.02, batch_size=16, max_iter=5)
+    reg.fit(X.astype(np.float32), y.astype(np.float32))
+    assert reg._engine is None
+    assert reg.train_losses_[-1] < reg.train_losses_[0]

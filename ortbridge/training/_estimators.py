@@ -294,11 +294,21 @@ class _BaseOnnxSGD(BaseEstimator):
 
         The model with its loss, ready for :class:`._epoch_graph.EpochGraph`;
         models with BatchNormalization go batch by batch through ``module_``,
-        which keeps their running statistics.
+        which keeps their running statistics, and so do models whose trained
+        weights are not all of the loss's type (the epoch graph's state is one
+        flat vector).
         """
         if self._engine is False:
             model = _graph.normalize(self.module_.to_onnx())
-            if any(node.op_type == "BatchNormalization" for node in model.graph.node):
+            loss_type = model.graph.output[0].type.tensor_type.elem_type
+            types = {
+                init.data_type
+                for init in model.graph.initializer
+                if init.name in dict(self.module_.named_onnx_parameters())
+            }
+            if types != {loss_type} or any(
+                node.op_type == "BatchNormalization" for node in model.graph.node
+            ):
                 self._engine = None
             else:
                 model, _ = _graph.make_variant(model, _graph.TRAIN, False, for_gradient=True)
