@@ -447,6 +447,20 @@ def make_variant(
     return variant, extra_outputs
 
 
+def predicting_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` as it predicts: Dropout off, BatchNormalization on running statistics.
+
+    A graph exported in train mode runs Dropout and batch statistics in any
+    onnxruntime session; predictions must not. A model with neither node is
+    returned as it is.
+    """
+    ops = {node.op_type for node in model.graph.node}
+    if not ops & {"Dropout", "BatchNormalization"}:
+        return model
+    variant, _ = make_variant(normalize(model), EVAL, False, for_gradient=False)
+    return variant
+
+
 def unbiased_running_var(
     graph: onnx.GraphProto, x: str, new_var: str, batch_var: str, momentum: float, elem: int
 ) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 from conftest import export
@@ -196,8 +197,18 @@ def test_batch_norm_models_train_batch_by_batch(data):
     reg.fit(X, y)
     assert reg._engine is None and not reg._epoch_graphs
     assert reg.train_losses_[-1] < reg.train_losses_[0]
-    mean = dict(reg.module_.named_buffers())
-    assert any("running_mean" in name and value.abs().sum() > 0 for name, value in mean.items())
+    # Predictions use the running statistics the fit tracked: a row predicts
+    # the same alone or in a batch, and the exported model carries them.
+    np.testing.assert_allclose(reg.predict(X[:1]), reg.predict(X)[:1], rtol=1e-5, atol=1e-6)
+    exported = reg.to_onnx()
+    session = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    np.testing.assert_allclose(session.run(None, {name: X})[0].ravel(), reg.predict(X), rtol=1e-5)
+    inits = {i.name: numpy_helper.to_array(i) for i in exported.graph.initializer}
+    tracked = {n: b.numpy() for n, b in reg.module_.named_buffers() if "running_mean" in n}
+    assert tracked and all(np.abs(b).sum() > 0 for b in tracked.values())
+    for n, value in tracked.items():
+        np.testing.assert_array_equal(inits[n], value)
 
 
 def test_small_steps_run_on_one_thread():
@@ -222,3 +233,27 @@ def test_mixed_precision_weights_train_batch_by_batch(data):
     reg.fit(X.astype(np.float32), y.astype(np.float32))
     assert reg._engine is None
     assert reg.train_losses_[-1] < reg.train_losses_[0]
+
+
+def test_dropout_models_train_in_the_epoch_graph(data):
+    """Dropout is active while training (in the Loop), off in predictions."""
+    X, y, _ = data
+    X, y = X.astype(np.float32), y.astype(np.float32)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(5, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(32, 1)
+    ).train()
+    onx = export(net, (torch.zeros(4, 5),))
+    reg = OnnxSGDRegressor(onx, learning_rate_init=0.02, batch_size=16, max_iter=20, random_state=0)
+    reg.fit(X, y)
+    assert reg._engine is not None and reg._epoch_graphs
+    assert reg.train_losses_[-1] < 0.5 * reg.train_losses_[0]
+    np.testing.assert_array_equal(reg.predict(X), reg.predict(X))
+    # Training draws masks: two fits from the same start differ, predictions do not vary.
+    again = OnnxSGDRegressor(
+        onx, learning_rate_init=0.02, batch_size=16, max_iter=1, random_state=0
+    )
+    first = OnnxSGDRegressor(
+        onx, learning_rate_init=0.02, batch_size=16, max_iter=1, random_state=0
+    )
+    assert not np.array_equal(again.fit(X, y).predict(X), first.fit(X, y).predict(X))

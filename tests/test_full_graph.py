@@ -466,3 +466,26 @@ def test_old_model_with_initializers_listed_as_inputs(data):
         trainer.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"]
     )
     np.testing.assert_allclose(session.run(None, {"x": X})[0], trainer.predict(X), rtol=1e-6)
+
+
+def test_dropout_is_off_in_predictions():
+    """A model exported in train mode trains with Dropout and predicts without it."""
+    from conftest import export
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(32, 1)
+    ).train()
+    onx = export(net, (torch.zeros(2, 4),))
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((64, 4)).astype(np.float32)
+    y = X[:, :1] - X[:, 1:2]
+    trainer = OrtFullGraphTrainer(onx, optimizer="sgd", learning_rate=0.05, max_iter=3)
+    trainer.fit(X, y)
+    np.testing.assert_array_equal(trainer.predict(X), trainer.predict(X))
+    session = onnxruntime.InferenceSession(
+        trainer.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    name = session.get_inputs()[0].name
+    np.testing.assert_allclose(session.run(None, {name: X})[0], trainer.predict(X), rtol=1e-6)
+    assert not any(n.op_type == "Dropout" for n in trainer.to_onnx().graph.node)

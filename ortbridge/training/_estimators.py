@@ -486,10 +486,12 @@ class _BaseOnnxSGD(BaseEstimator):
         """
         self._check_fitted()
         model, _ = self._load_model()
-        weights = {
-            name: p.detach().cpu().numpy() for name, p in self.module_.named_onnx_parameters()
-        }
-        return _graph.with_weights(model, weights)
+        # Every weight, trained or not (BatchNormalization's running statistics too).
+        trained = self.module_.to_onnx().graph.initializer
+        weights = {init.name: onnx.numpy_helper.to_array(init) for init in trained}
+        # Dropout off and BatchNormalization on its running statistics, even
+        # for a model exported in train mode.
+        return _graph.predicting_model(_graph.with_weights(model, weights))
 
     def _raw_predict(self, X):
         self._check_fitted()

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 
 from .. import _ort
-from .._graph import load_model, normalize, weights_as_inputs, with_weights
+from .._graph import load_model, normalize, predicting_model, weights_as_inputs, with_weights
 from .._onnx_utils import FLOAT_TYPES, np_dtype
 from ..exceptions import (
     NotFittedError,
@@ -364,7 +364,9 @@ class OrtFullGraphTrainer:
         ort = _ort.onnxruntime()
         C = ort.capi._pybind_state
         if self._predictor is None:
-            predicting = weights_as_inputs(load_model(self._onnx), self._trainable)
+            predicting = weights_as_inputs(
+                predicting_model(load_model(self._onnx)), self._trainable
+            )
             pin_ir_version(predicting)
             so = self.session_options or _session_options()
             self._predictor = ort.InferenceSession(
@@ -391,11 +393,11 @@ class OrtFullGraphTrainer:
         Returns
         -------
         onnx.ModelProto
-            The input model (normalised) with new initializer values; IR
-            version at most 10.
+            The input model (normalised) with new initializer values, Dropout
+            switched off; IR version at most 10.
         """
         weights = self.get_weights()
-        return pin_ir_version(with_weights(self._onnx, weights))
+        return pin_ir_version(predicting_model(with_weights(self._onnx, weights)))
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """Copies of the trained weights, name -> array."""
