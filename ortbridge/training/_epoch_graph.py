@@ -103,7 +103,6 @@ class EpochGraph:
     ):
         self.trainable = list(trainable)
         self.data_inputs = list(data_inputs)
-        self.rule = rule
         self.rows = rows
         out = next(o for o in model.graph.output if o.name == loss)
         self.elem = out.type.tensor_type.elem_type

@@ -37,6 +37,7 @@ from . import _losses
 from ._epoch_graph import EpochGraph
 from ._epoch_graph import Hyper as _Hyper
 from ._epoch_graph import Rule as _Rule
+from ._full_graph import _session_options
 from ._sgd import SklearnSGD
 
 __all__ = ["NotFittedError", "OnnxSGDClassifier", "OnnxSGDRegressor"]
@@ -301,11 +302,8 @@ class _BaseOnnxSGD(BaseEstimator):
         if self._engine is False:
             model = _graph.normalize(self.module_.to_onnx())
             loss_type = model.graph.output[0].type.tensor_type.elem_type
-            types = {
-                init.data_type
-                for init in model.graph.initializer
-                if init.name in dict(self.module_.named_onnx_parameters())
-            }
+            trained = dict(self.module_.named_onnx_parameters())
+            types = {init.data_type for init in model.graph.initializer if init.name in trained}
             if types != {loss_type} or any(
                 node.op_type == "BatchNormalization" for node in model.graph.node
             ):
@@ -499,10 +497,8 @@ class _BaseOnnxSGD(BaseEstimator):
         if self._predictor is None:
             ort = onnxruntime()
             model = self.to_onnx()
-            options = ort.SessionOptions()
-            options.log_severity_level = 3  # not the optimizer's notes on the graph
             session = ort.InferenceSession(
-                model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+                model.SerializeToString(), _session_options(), providers=["CPUExecutionProvider"]
             )
             self._predictor = (session, session.get_inputs()[0].name)
         session, name = self._predictor
@@ -796,13 +792,10 @@ _ONE_THREAD_WORK = 4e6
 
 def _epoch_session_options(weights_times_rows):
     """Quiet sessions, not spinning; one thread for small steps, torch's count otherwise."""
-    ort = onnxruntime()
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so = _session_options()
     small = 3 * weights_times_rows < _ONE_THREAD_WORK
     so.intra_op_num_threads = 1 if small else torch.get_num_threads()
     so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return so
 
 
