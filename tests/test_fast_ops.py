@@ -1,0 +1,130 @@
+"""The CPU rewrite of onnxruntime's ReluGrad: same gradients, no ReluGrad left."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import torch
+from conftest import compare_with_torch, export
+from onnx import TensorProto, helper
+from torch import nn
+
+from ortbridge import OnnxModule
+from ortbridge._fast_ops import speed_up_cpu_gradient
+from ortbridge._onnx_utils import make_model
+from ortbridge.training._gradient import gradient_model
+
+
+def _op_types(model: onnx.ModelProto) -> collections.Counter:
+    return collections.Counter(n.op_type for n in model.graph.node)
+
+
+def _gradient_models(layer: OnnxModule) -> list[onnx.ModelProto]:
+    return [g.gradient_model for g in layer._bridge._gradient_graphs.values()]
+
+
+def _relu_grad_model(elem: int, typed: bool = True) -> onnx.ModelProto:
+    shape = ["n"] if typed else None
+    graph = helper.make_graph(
+        [helper.make_node("ReluGrad", ["dy", "x"], ["dx"], name="g", domain="com.microsoft")],
+        "relu_grad",
+        [
+            helper.make_tensor_value_info("dy", elem, shape),
+            helper.make_tensor_value_info("x", elem if typed else 0, shape),
+        ],
+        [helper.make_tensor_value_info("dx", elem, shape)],
+    )
+    return make_model(graph, 17, {"com.microsoft": 1})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_relu_gradient_equals_torch_at_zero_and_extremes(dtype):
+    # The mask is X > 0: zero, negative zero, denormals and infinities
+    # must split exactly as torch's threshold_backward splits them.
+    x = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 2.0, -3.0, float("inf"), -float("inf")])
+    x = x.to(dtype).repeat(4, 1)
+    layer = OnnxModule(export(nn.ReLU(), (x,)))
+    ours, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    upstream = torch.randn(x.shape, dtype=dtype)
+    layer(ours).backward(upstream)
+    torch.relu(ref).backward(upstream)
+    assert torch.equal(ours.grad, ref.grad)
+    (graph,) = _gradient_models(layer)
+    assert "ReluGrad" not in _op_types(graph)
+
+
+def test_float32_relu_network_gradients_match_torch_without_relu_grad():
+    model = nn.Sequential(
+        nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2)
+    )
+    x = torch.randn(9, 6, requires_grad=True)
+    layer = OnnxModule(export(model, (x,)))
+    compare_with_torch(model, layer, [x])
+    graphs = _gradient_models(layer)
+    assert graphs
+    for graph in graphs:
+        ops = _op_types(graph)
+        assert ops["ReluGrad"] == 0
+        assert ops["Greater"] == ops["Cast"] == 2
+
+
+def test_float64_relu_network_trains_on_cpu():
+    # onnxruntime registers its CPU ReluGrad for float only: before the
+    # rewrite a float64 network with a ReLU could not build its session.
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 1)).double()
+    x = torch.randn(7, 5, dtype=torch.float64)
+    layer = OnnxModule(export(model, (x,)))
+    compare_with_torch(model, layer, [x], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("elem", [TensorProto.FLOAT, TensorProto.DOUBLE])
+def test_rewritten_graph_computes_relu_grad_exactly(elem):
+    original = _relu_grad_model(elem)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(original)
+    assert speed_up_cpu_gradient(rewritten) == 1
+    assert _op_types(rewritten) == {"Greater": 1, "Cast": 1, "Mul": 1}
+    assert rewritten.graph.node[-1].name == "g"  # profiles still name the node
+    dtype = helper.tensor_dtype_to_np_dtype(elem)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(64).astype(dtype)
+    x[:6] = [0.0, -0.0, 1e-300 if elem == TensorProto.DOUBLE else 1e-40, np.inf, -np.inf, -1e-3]
+    feeds = {"dy": rng.standard_normal(64).astype(dtype), "x": x}
+    # onnxruntime's CPU ReluGrad exists for float only
+    models = [rewritten, original] if elem == TensorProto.FLOAT else [rewritten]
+    outputs = [
+        onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, feeds
+        )[0]
+        for m in models
+    ]
+    for out in outputs:
+        np.testing.assert_array_equal(out, np.where(x > 0, feeds["dy"], 0))
+
+
+def test_nodes_of_unknown_or_unsupported_type_are_left_alone():
+    for model in (_relu_grad_model(TensorProto.FLOAT, typed=False),
+                  _relu_grad_model(TensorProto.FLOAT16)):  # fmt: skip
+        before = model.SerializeToString()
+        assert speed_up_cpu_gradient(model) == 0
+        assert model.SerializeToString() == before
+
+
+def test_training_graphs_without_torch_are_rewritten_too():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(3, 4)
+    proto = export(nn.Sequential(model), (x,))
+    # the builder's graph of a loss: the network's output summed
+    out = proto.graph.output[0].name
+    proto.graph.node.append(helper.make_node("ReduceSum", [out], ["loss"], keepdims=0))
+    del proto.graph.output[:]
+    proto.graph.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
+    trainable = [i.name for i in proto.graph.initializer]
+    options = onnxruntime.SessionOptions()
+    built, _, _ = gradient_model(proto, "loss", trainable, options)
+    ops = _op_types(built)
+    assert ops["ReluGrad"] == 0 and ops["Greater"] == 1
