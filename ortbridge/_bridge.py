@@ -48,8 +48,10 @@ class Bridge:
         )
         return _graph.weights_as_inputs(model, self.weight_names), extra
 
-    def gradient_graph(self, mode: str, needs_grad, device: torch.device) -> GradientGraph:
-        key = (mode, tuple(needs_grad), device, current_stream(device))
+    def gradient_graph(self, mode: str, needs_grad: tuple, device: torch.device) -> GradientGraph:
+        # Called on every forward: the key is built without extra calls.
+        stream = current_stream(device) if device.type == "cuda" else None
+        key = (mode, needs_grad if type(needs_grad) is tuple else tuple(needs_grad), device, stream)
         graph = self._gradient_graphs.get(key)
         if graph is None:
             n_in = len(self.input_names)
@@ -66,6 +68,7 @@ class Bridge:
                         self.session_options,
                         self.providers,
                         batch_norm_nodes=self.batch_norms if mode == _graph.TRAIN else (),
+                        caller_order=self.feed_names,
                     )
                     break
                 except NotDifferentiableError as exc:

@@ -31,24 +31,34 @@ def make_function(graph_name: str) -> type[torch.autograd.Function]:
 
 
 def _forward(ctx, bridge, mode, *tensors):
+    # Runs on every training step: the common case (one float output, no
+    # running statistics) takes no detours, since in a step with cold caches
+    # each Python line costs several times its tight-loop price.
     ctx.set_materialize_grads(False)
     graph = bridge.gradient_graph(mode, ctx.needs_input_grad[2:], tensors[0].device)
-    outputs, state = graph.forward(dict(zip(bridge.feed_names, tensors)))
-    user = outputs[: graph.n_user_outputs]
-    bridge.update_running_stats(tensors, outputs[graph.n_user_outputs :])
-    ctx.bridge, ctx.graph, ctx.state, ctx.mode = bridge, graph, state, mode
-    ctx.output_meta = [(o.shape, o.dtype, o.device) for o in user]
-    ctx.mark_non_differentiable(*[o for o in user if not o.is_floating_point()])
+    outputs, state = graph.forward(tensors)
+    n_user = graph.n_user_outputs
+    if len(outputs) > n_user:
+        bridge.update_running_stats(tensors, outputs[n_user:])
+        outputs = outputs[:n_user]
+    ctx.bridge, ctx.graph, ctx.state = bridge, graph, state
+    ctx.output_meta = [(o.shape, o.dtype, o.device) for o in outputs]
+    integers = [o for o in outputs if not o.is_floating_point()]
+    if integers:
+        ctx.mark_non_differentiable(*integers)
     # Inputs are saved for a recomputation (second backward); running
     # statistics are updated in place right above, so they are kept unsaved.
     volatile = bridge.running_stat_positions
-    ctx.volatile = {i: tensors[i] for i in volatile}
-    kept = [t for i, t in enumerate(tensors) if i not in volatile]
+    if volatile:
+        ctx.volatile = {i: tensors[i] for i in volatile}
+        kept = [t for i, t in enumerate(tensors) if i not in volatile]
+    else:
+        ctx.volatile, kept = None, tensors
     # Outputs the backward pass reads are saved so that torch's version
     # counter catches an in-place change (they share memory with onnxruntime).
-    ctx.save_for_backward(*kept, *[user[i] for i in graph.save_for_backward])
+    ctx.save_for_backward(*kept, *[outputs[i] for i in graph.save_for_backward])
     ctx.n_kept = len(kept)
-    return tuple(user)
+    return tuple(outputs)
 
 
 def _backward(ctx, *grad_outputs):
@@ -56,10 +66,10 @@ def _backward(ctx, *grad_outputs):
     graph, state = ctx.graph, ctx.state
     if state is None:
         # The first backward consumed the state: run the forward again.
-        it = iter(saved[: ctx.n_kept])
-        n = len(ctx.bridge.feed_names)
-        tensors = [ctx.volatile[i] if i in ctx.volatile else next(it) for i in range(n)]
-        _, state = graph.forward(dict(zip(ctx.bridge.feed_names, tensors)))
+        tensors = list(saved[: ctx.n_kept])
+        for i in sorted(ctx.volatile or ()):
+            tensors.insert(i, ctx.volatile[i])
+        _, state = graph.forward(tensors)
     ctx.state = None  # the state holds every activation: free it with this backward
     feeds = []
     for idx, grad in enumerate(grad_outputs[: graph.n_user_outputs]):
@@ -71,4 +81,8 @@ def _backward(ctx, *grad_outputs):
         feeds.append(grad.contiguous())
     grads = graph.backward(feeds, state)
     del state
-    return (None, None, *[grads.get(name) for name in ctx.bridge.feed_names])
+    # (bridge, mode, *tensors): one slot per argument of forward.
+    result = [None] * (2 + len(ctx.bridge.feed_names))
+    for slot, grad in zip(graph.grad_slots, grads):
+        result[2 + slot] = grad
+    return tuple(result)

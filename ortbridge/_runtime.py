@@ -174,6 +174,7 @@ class GradientGraph:
         session_options=None,
         providers=None,
         batch_norm_nodes=(),
+        caller_order: list[str] | None = None,
     ):
         C = _capi()
         cfg = C.OrtModuleGraphBuilderConfiguration()
@@ -205,6 +206,13 @@ class GradientGraph:
         )
         # Which tensor each gradient output belongs to.
         self.grad_targets = [grad_to_name[o.name] for o in gradient.graph.output]
+        # The caller hands tensors over in its own order (``caller_order``):
+        # where each feed comes from (None: the same order), and where each
+        # gradient goes back, worked out once rather than by name every call.
+        position = {n: i for i, n in enumerate(caller_order or self.feed_names)}
+        order = [position[n] for n in self.feed_names]
+        self.feed_order = None if order == list(range(len(position))) else order
+        self.grad_slots = [position[n] for n in self.grad_targets]
         self.gradient_model = gradient
         self.session = _session(gradient.SerializeToString(), device, session_options, providers)
         dev = ort_device(device)
@@ -218,23 +226,30 @@ class GradientGraph:
             0,
         )
 
-    def forward(self, feeds: dict[str, torch.Tensor]):
+    def forward(self, tensors: list[torch.Tensor]):
+        """Run up to the YieldOp on ``tensors`` (in the caller's order).
+
+        Returns the outputs (user outputs, then new running statistics) and
+        the execution state :meth:`backward` consumes.
+        """
         C = _capi()
-        inputs = to_ortvalues([feeds[name] for name in self.feed_names])
+        if self.feed_order is not None:
+            tensors = [tensors[i] for i in self.feed_order]
+        inputs = to_ortvalues(tensors)
         outputs = C.OrtValueVector()
         state = C.PartialGraphExecutionState()
         try:
             self.agent.run_forward(inputs, outputs, state, None)
         except Exception as exc:
             raise OrtBridgeError(f"onnxruntime failed in the forward pass: {exc}") from exc
-        tensors = from_ortvalues(outputs)
         # The forward outputs live in the execution state's planned memory
         # (memory patterns), which backward reuses and then frees: torch gets
         # its own copy. Copying an output is far cheaper than running without
         # memory patterns (measured: a whole MLP step 25% slower).
-        return [t.clone() for t in tensors], state
+        return [t.clone() for t in from_ortvalues(outputs)], state
 
-    def backward(self, grad_outputs: list[torch.Tensor], state) -> dict[str, torch.Tensor]:
+    def backward(self, grad_outputs: list[torch.Tensor], state) -> list[torch.Tensor]:
+        """Resume ``state``; the gradients, one per ``grad_targets``/``grad_slots``."""
         C = _capi()
         inputs = to_ortvalues(grad_outputs)
         outputs = C.OrtValueVector()
@@ -242,7 +257,7 @@ class GradientGraph:
             self.agent.run_backward(inputs, outputs, state)
         except Exception as exc:
             raise OrtBridgeError(f"onnxruntime failed in the backward pass: {exc}") from exc
-        return dict(zip(self.grad_targets, from_ortvalues(outputs)))
+        return from_ortvalues(outputs)
 
 
 def _builder_error(exc: Exception) -> Exception:
