@@ -1,7 +1,7 @@
 """Forward + backward in onnxruntime: the builder's graph against ortbridge's rewrite.
 
 onnxruntime's CPU ``ReluGrad`` kernel is slow; ortbridge rewrites it into
-``Greater`` + ``Cast`` + ``Mul`` (``ortbridge/_fast_ops.py``). This script
+``Greater`` + ``Cast`` + ``Mul`` (``ortbridge/_gradient_rewrites.py``). This script
 times, interleaved in one process, one forward + backward of each model's
 gradient graph through the TrainingAgent, three ways: the graph as
 onnxruntime's builder writes it, the graph ortbridge runs, and torch eager's
@@ -45,9 +45,9 @@ def gradient_graph(proto, x, rewrite: bool, profile_prefix=None):
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
-    rewriter = _runtime.speed_up_cpu_gradient if rewrite else (lambda model: 0)
+    rewriter = _runtime.rewrite_gradient if rewrite else (lambda model, device_type: {})
     # OnnxModule builds its first gradient graph when constructed: patch both.
-    with mock.patch.object(_runtime, "speed_up_cpu_gradient", rewriter):
+    with mock.patch.object(_runtime, "rewrite_gradient", rewriter):
         layer = OnnxModule(proto, session_options=options)
         needs = [False] * len(layer.input_names) + [True] * len(layer._weight_names)
         graph = layer._bridge.gradient_graph("train", needs, CPU)

@@ -14,7 +14,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from . import _ort
-from ._fast_ops import speed_up_cpu_gradient
+from ._gradient_rewrites import rewrite_gradient
 from ._graph import batch_var_from_inv_std, unbiased_running_var
 from .exceptions import NotDifferentiableError, OnnxModelError, OrtBridgeError
 
@@ -194,8 +194,7 @@ class GradientGraph:
         gradient = onnx.load_from_string(builder.get_gradient_model())
         self.n_user_outputs = len(info.user_output_names)
         self.batch_norm_outputs = _expose_running_stats(gradient, batch_norm_nodes)
-        if device.type == "cpu":
-            speed_up_cpu_gradient(gradient)
+        rewrite_gradient(gradient, device.type)
         self.non_differentiable = set(info.output_grad_indices_non_differentiable)
         self.full_shape = set(info.output_grad_indices_require_full_shape)
         self.save_for_backward = list(info.module_output_indices_requires_save_for_backward)

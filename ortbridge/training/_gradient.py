@@ -11,7 +11,7 @@ from __future__ import annotations
 import onnx
 
 from .. import _ort
-from .._fast_ops import speed_up_cpu_gradient
+from .._gradient_rewrites import rewrite_gradient
 from .._graph import weights_as_inputs
 from ..exceptions import NotDifferentiableError
 
@@ -55,5 +55,5 @@ def gradient_model(model: onnx.ModelProto, loss: str, trainable: list[str], sess
             f"onnxruntime could not build the gradient of {loss!r} with respect to "
             f"{trainable}: {exc}"
         ) from exc
-    speed_up_cpu_gradient(built)
+    rewrite_gradient(built, "cpu")
     return built, loss32, data_inputs
