@@ -15,6 +15,7 @@ import onnx
 import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
+from . import _activations
 from ._onnx_utils import FLOAT_TYPES, np_dtype
 from .exceptions import NotDifferentiableError, OnnxModelError, OnnxTypeError
 
@@ -267,6 +268,9 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
       1.19.2's ``AveragePoolGrad`` kills the process (SIGFPE); it becomes the
       equivalent depthwise ``Conv`` with constant weights.
     - ``Dropout`` without its mask output: the gradient needs the mask.
+    - Activations without a registered gradient (ELU, CELU, SELU, Softplus,
+      Mish, HardSigmoid, HardSwish, PRelu) become standard ops
+      (:mod:`._activations`).
     - Unnamed nodes get a name.
     - An ai.onnx opset below 13 is converted to 13: the gradient builder
       writes nodes in the forms of recent opsets (a ``Gemm`` without ``C``).
@@ -286,6 +290,12 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
         if node.op_type == "AveragePool" and node.domain in ("", "ai.onnx"):
             rewritten.extend(_average_pool_as_conv(node, shapes, types, taken))
             continue
+        if node.op_type in _activations.OPS and node.domain in ("", "ai.onnx"):
+            elem = types.get(node.input[0])
+            if elem in FLOAT_TYPES:
+                fresh = lambda base: _unique(base, taken)  # noqa: E731
+                rewritten.extend(_activations.decompose(node, elem, fresh))
+                continue
         rewritten.append(node)
     del graph.node[:]
     graph.node.extend(rewritten)
