@@ -6,7 +6,9 @@ for ortbridge also the entry and exit of the generated autograd Function and
 of onnxruntime's ``TrainingAgent`` calls (wrapped here, the module is not
 changed). Medians over the timed steps, interleaved blocks; then
 onnxruntime's forward + backward alone in a tight loop, and torch's, to
-compare the kernels without anything around them.
+compare the kernels without anything around them; then torch's loss alone,
+right after an onnxruntime forward and right after torch's, to show what
+switching runtimes costs the code that runs next.
 
     python benchmarks/bench_step_parts.py --model mlp
 """
@@ -146,6 +148,7 @@ def measure(name: str, rounds: int, steps: int) -> dict:
     }
     result["total"] = {v: statistics.median(t) for v, t in totals.items()}
     result["alone"] = _alone(model, layer, x, y, loss_fn, steps * rounds)
+    result["loss_after"] = _loss_after(model, layer, x, y, loss_fn, steps * rounds)
     return result
 
 
@@ -179,6 +182,41 @@ def _alone(model, layer, x, y, loss_fn, n):
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _loss_after(model, layer, x, y, loss_fn, n):
+    """torch's loss alone, timed right after onnxruntime's forward and right after torch's.
+
+    The same call on the same tensors: a difference is what switching from
+    one runtime to the other costs the torch code that runs next.
+    """
+    C = capi()
+    graph = layer._bridge.gradient_graph(
+        "train", (False,) * len(layer.input_names) + (True,) * len(layer._weight_names), x.device
+    )
+    agent = graph.agent.agent
+    feeds = dict(zip(layer._bridge.feed_names, [x, *(w.detach() for w in layer._weights())]))
+    inputs = [feeds[k] for k in graph.feed_names]
+    out = model(x).detach()
+
+    def ort_forward():
+        agent.run_forward(
+            to_ortvalues(inputs), C.OrtValueVector(), C.PartialGraphExecutionState(), None
+        )
+
+    def torch_forward():
+        with torch.no_grad():
+            model(x)
+
+    times = {"after onnxruntime": [], "after torch": []}
+    for i in range(n + 20):
+        for label, before in (("after onnxruntime", ort_forward), ("after torch", torch_forward)):
+            before()
+            begin = time.perf_counter()
+            loss_fn(out, y)
+            if i >= 20:
+                times[label].append((time.perf_counter() - begin) * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp", choices=list(_models.MODELS))
@@ -203,6 +241,12 @@ def main(argv=None) -> int:
     print(
         f"  forward + backward alone: onnxruntime {alone['onnxruntime']:.1f} us, torch "
         f"{alone['torch']:.1f} us ({alone['onnxruntime'] / alone['torch']:.3f})"
+    )
+    after = r["loss_after"]
+    print(
+        f"  torch's loss alone: {after['after onnxruntime']:.1f} us right after onnxruntime's "
+        f"forward, {after['after torch']:.1f} us right after torch's "
+        f"({after['after onnxruntime'] / after['after torch']:.2f}x)"
     )
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
