@@ -10,6 +10,9 @@ carry no gradient), so the gradient at a join is the one torch picks: at
 overflow are never computed (``exp`` sees ``min(x, 0)``, softplus is
 ``max(x, 0) + log(1 + exp(-|x|))``), so no NaN enters the backward pass.
 
+``LeakyRelu`` is rewritten the same way in float64 graphs only, where
+onnxruntime has no CPU kernel for it.
+
 One difference remains, at measure-zero points: at exactly ``x = +-3``
 torch's ``hardswish`` backward takes the inner slope, the rewrite the outer
 one (as torch's own ``hardsigmoid`` does).
@@ -28,10 +31,18 @@ _SELU_GAMMA = 1.05070102214813232421875
 
 #: Op types rewritten here (ai.onnx domain).
 OPS = frozenset({"Elu", "Celu", "Selu", "Softplus", "Mish", "HardSigmoid", "HardSwish", "PRelu"})
+#: Op types rewritten in float64 graphs only: onnxruntime's CPU kernel is float only.
+FLOAT64_OPS = frozenset({"LeakyRelu"})
+ALL_OPS = OPS | FLOAT64_OPS
+
+
+def rewrites(op_type: str, elem: int) -> bool:
+    """Whether :func:`decompose` rewrites an ai.onnx ``op_type`` node on ``elem`` tensors."""
+    return op_type in OPS or (op_type in FLOAT64_OPS and elem == onnx.TensorProto.DOUBLE)
 
 
 def decompose(node: onnx.NodeProto, elem: int, fresh: Callable[[str], str]) -> list[onnx.NodeProto]:
-    """Standard-op nodes computing ``node`` (one of :data:`OPS`) on tensors of type ``elem``.
+    """Standard-op nodes computing ``node`` (see :func:`rewrites`) on tensors of type ``elem``.
 
     ``fresh(base)`` returns an unused tensor name. The last node writes
     ``node``'s output and keeps its name.
@@ -59,6 +70,9 @@ def decompose(node: onnx.NodeProto, elem: int, fresh: Callable[[str], str]) -> l
     elif kind == "PRelu":
         positive, inactive = b.split(x)
         b.op("Add", positive, b.op("Mul", inactive, node.input[1]))
+    elif kind == "LeakyRelu":
+        positive, inactive = b.split(x)
+        b.op("Add", positive, b.op("Mul", inactive, b.const(attrs.get("alpha", 0.01))))
     else:
         raise ValueError(f"no decomposition for {kind}")
     # the last node computes the activation: it takes over the node's output

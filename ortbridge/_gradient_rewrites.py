@@ -17,7 +17,9 @@ Applied to every gradient graph before its session is created:
   upstream. The CUDA kernel is one fused launch and stays.
 
 Both also lift onnxruntime's float-only CPU kernels: float64 networks with
-these activations train on the CPU.
+these activations train on the CPU. For the same reason, in float64 graphs
+on the CPU, the ``QuickGelu`` and ``QuickGeluGrad`` nodes the builder makes
+out of SiLU (``x * sigmoid(x)``) go back to standard ops.
 """
 
 from __future__ import annotations
@@ -40,17 +42,23 @@ _GELU_K = 0.044715
 def rewrite_gradient(model: onnx.ModelProto, device_type: str) -> dict[str, int]:
     """Apply the rewrites for ``device_type`` to ``model`` in place; counts per rewrite."""
     graph = model.graph
+    done = {"tanh_gelu": 0, "relu": 0, "quick_gelu": 0}
     tanh_gelu = _tanh_gelu_grads(graph)
-    relu = set()
+    relu, quick = set(), set()
     if device_type == "cpu":
-        relu = {i for i, n in enumerate(graph.node) if n.op_type == "ReluGrad" and n.domain == _MS}
-    if not tanh_gelu and not relu:
-        return {"tanh_gelu": 0, "relu": 0}
+        for i, n in enumerate(graph.node):
+            if n.domain == _MS and n.op_type == "ReluGrad":
+                relu.add(i)
+            elif n.domain == _MS and n.op_type in ("QuickGelu", "QuickGeluGrad"):
+                quick.add(i)
+    if not tanh_gelu and not relu and not quick:
+        return done
     builder = _Builder(model)
-    done = {"tanh_gelu": 0, "relu": 0}
     nodes = []
     for i, node in enumerate(graph.node):
-        elem = builder.types.get(node.input[1]) if i in relu or i in tanh_gelu else None
+        # the activation's input: the only input of QuickGelu, else the second
+        x = node.input[0] if node.op_type == "QuickGelu" else node.input[-1]
+        elem = builder.types.get(x) if i in relu or i in tanh_gelu or i in quick else None
         if i in tanh_gelu and (device_type != "cpu" or elem not in _TYPES):
             nodes.append(
                 helper.make_node(
@@ -64,6 +72,9 @@ def rewrite_gradient(model: onnx.ModelProto, device_type: str) -> dict[str, int]
         elif i in relu and elem in _TYPES:
             nodes += builder.relu_grad(node, elem)
             done["relu"] += 1
+        elif i in quick and elem == onnx.TensorProto.DOUBLE:
+            nodes += builder.quick_gelu(node, elem)
+            done["quick_gelu"] += 1
         else:
             nodes.append(node)
     del graph.node[:]
@@ -131,6 +142,29 @@ class _Builder:
             helper.make_node("Greater", [x, self.constant(0.0, elem)], [active]),
             helper.make_node("Cast", [active], [mask], to=elem),
             helper.make_node("Mul", [d_y, mask], [node.output[0]], name=node.name),
+        ]
+
+    def quick_gelu(self, node, elem) -> list[onnx.NodeProto]:
+        # QuickGelu(x) = x s, s = sigmoid(alpha x); d/dx = s (1 + alpha x (1 - s)).
+        alpha = next(
+            (helper.get_attribute_value(a) for a in node.attribute if a.name == "alpha"), 1.702
+        )
+        x = node.input[0] if node.op_type == "QuickGelu" else node.input[1]
+        scaled, s = self.name(f"{x}_qg_ax"), self.name(f"{x}_qg_s")
+        nodes = [
+            helper.make_node("Mul", [x, self.constant(alpha, elem)], [scaled]),
+            helper.make_node("Sigmoid", [scaled], [s]),
+        ]
+        if node.op_type == "QuickGelu":
+            return [*nodes, helper.make_node("Mul", [x, s], list(node.output), name=node.name)]
+        n = {k: self.name(f"{x}_qg_{k}") for k in ("rest", "t", "u", "d")}
+        return [
+            *nodes,
+            helper.make_node("Sub", [self.constant(1.0, elem), s], [n["rest"]]),
+            helper.make_node("Mul", [scaled, n["rest"]], [n["t"]]),
+            helper.make_node("Add", [n["t"], self.constant(1.0, elem)], [n["u"]]),
+            helper.make_node("Mul", [s, n["u"]], [n["d"]]),
+            helper.make_node("Mul", [node.input[0], n["d"]], list(node.output), name=node.name),
         ]
 
     def tanh_gelu_grad(self, node, elem) -> list[onnx.NodeProto]:

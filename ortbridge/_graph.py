@@ -290,9 +290,9 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
         if node.op_type == "AveragePool" and node.domain in ("", "ai.onnx"):
             rewritten.extend(_average_pool_as_conv(node, shapes, types, taken))
             continue
-        if node.op_type in _activations.OPS and node.domain in ("", "ai.onnx"):
+        if node.domain in ("", "ai.onnx") and node.op_type in _activations.ALL_OPS:
             elem = types.get(node.input[0])
-            if elem in FLOAT_TYPES:
+            if elem in FLOAT_TYPES and _activations.rewrites(node.op_type, elem):
                 fresh = lambda base: _unique(base, taken)  # noqa: E731
                 rewritten.extend(_activations.decompose(node, elem, fresh))
                 continue

@@ -81,3 +81,14 @@ def test_eval_mode_and_no_grad_run_the_same_graph():
 
 def test_every_rewritten_op_is_covered():
     assert set(ACTIVATIONS) == set(OPS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_leaky_relu_is_rewritten_for_float64_only(dtype):
+    # onnxruntime has no float64 CPU kernel for LeakyRelu; float32 keeps its own.
+    model = nn.Sequential(nn.Linear(5, 6), nn.LeakyReLU(0.1), nn.Linear(6, 2)).to(dtype)
+    x = torch.randn(9, 5, dtype=dtype, requires_grad=True)
+    layer = OnnxModule(export(model, (x,)))
+    assert _op_types(layer)["LeakyRelu"] == (1 if dtype == torch.float32 else 0)
+    # the slope is a float attribute in ONNX: 0.1 rounded to float32
+    compare_with_torch(model, layer, [x], rtol=1e-6, atol=1e-7)

@@ -87,7 +87,7 @@ def test_rewritten_graph_computes_relu_grad_exactly(elem):
     original = _relu_grad_model(elem)
     rewritten = onnx.ModelProto()
     rewritten.CopyFrom(original)
-    assert rewrite_gradient(rewritten, "cpu") == {"tanh_gelu": 0, "relu": 1}
+    assert rewrite_gradient(rewritten, "cpu") == {"tanh_gelu": 0, "relu": 1, "quick_gelu": 0}
     assert _op_types(rewritten) == {"Greater": 1, "Cast": 1, "Mul": 1}
     assert rewritten.graph.node[-1].name == "g"  # profiles still name the node
     dtype = helper.tensor_dtype_to_np_dtype(elem)
@@ -111,14 +111,14 @@ def test_nodes_of_unknown_or_unsupported_type_are_left_alone():
     for model in (_relu_grad_model(TensorProto.FLOAT, typed=False),
                   _relu_grad_model(TensorProto.FLOAT16)):  # fmt: skip
         before = model.SerializeToString()
-        assert rewrite_gradient(model, "cpu") == {"tanh_gelu": 0, "relu": 0}
+        assert rewrite_gradient(model, "cpu") == {"tanh_gelu": 0, "relu": 0, "quick_gelu": 0}
         assert model.SerializeToString() == before
 
 
 def test_relu_grad_stays_on_cuda():
     model = _relu_grad_model(TensorProto.FLOAT)
     before = model.SerializeToString()
-    assert rewrite_gradient(model, "cuda") == {"tanh_gelu": 0, "relu": 0}
+    assert rewrite_gradient(model, "cuda") == {"tanh_gelu": 0, "relu": 0, "quick_gelu": 0}
     assert model.SerializeToString() == before
 
 
@@ -185,7 +185,7 @@ def _two_gelus(names) -> onnx.ModelProto:
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_tanh_gelu_gradient_found_by_name_when_x_feeds_both_forms(device_type):
     model = _two_gelus(["y_exact_grad", "y_tanh_grad"])
-    assert rewrite_gradient(model, device_type) == {"tanh_gelu": 1, "relu": 0}
+    assert rewrite_gradient(model, device_type) == {"tanh_gelu": 1, "relu": 0, "quick_gelu": 0}
     ops = _op_types(model)
     assert ops["GeluGrad"] == 1  # the exact one, untouched
     # The CUDA form (FastGeluGrad) and the CPU form (standard ops) both run
@@ -207,3 +207,18 @@ def test_unmatchable_gelu_gradient_is_an_error_not_a_guess():
     model = _two_gelus(["gy_exact", "gy_tanh"])  # names that say nothing
     with pytest.raises(OnnxModelError, match="feeds both an exact and a tanh-approximate"):
         rewrite_gradient(model, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_silu_trains_in_float32_and_float64(dtype):
+    # The builder fuses x * sigmoid(x) into QuickGelu, whose CPU kernels are
+    # float only: float64 graphs get standard ops back, float32 keeps them.
+    model = nn.Sequential(nn.Linear(5, 8), nn.SiLU(), nn.Linear(8, 1)).to(dtype)
+    x = torch.randn(7, 5, dtype=dtype, requires_grad=True)
+    layer = OnnxModule(export(model, (x,)))
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    compare_with_torch(model, layer, [x], rtol=tol, atol=tol)
+    for graph in _gradient_models(layer):
+        ops = _op_types(graph)
+        quick = ops["QuickGelu"] + ops["QuickGeluGrad"]
+        assert quick == (2 if dtype == torch.float32 else 0)
