@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
+
+from ._onnx_utils import NodeBuilder
 
 _SELU_ALPHA = 1.67326319217681884765625  # ONNX's defaults (float32 values)
 _SELU_GAMMA = 1.05070102214813232421875
@@ -47,7 +48,7 @@ def decompose(node: onnx.NodeProto, elem: int, fresh: Callable[[str], str]) -> l
     ``fresh(base)`` returns an unused tensor name. The last node writes
     ``node``'s output and keeps its name.
     """
-    b = _Nodes(node, elem, fresh)
+    b = _Nodes(elem, fresh, prefix=f"{node.output[0]}_")
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     x = node.input[0]
     kind = node.op_type
@@ -75,37 +76,11 @@ def decompose(node: onnx.NodeProto, elem: int, fresh: Callable[[str], str]) -> l
         b.op("Add", positive, b.op("Mul", inactive, b.const(attrs.get("alpha", 0.01))))
     else:
         raise ValueError(f"no decomposition for {kind}")
-    # the last node computes the activation: it takes over the node's output
-    b.nodes[-1].output[0] = node.output[0]
-    b.nodes[-1].name = node.name
-    return b.nodes
+    return b.replacing(node)
 
 
-class _Nodes:
-    def __init__(self, node, elem, fresh):
-        self.base = node.output[0]
-        self.elem, self.fresh = elem, fresh
-        self.nodes: list[onnx.NodeProto] = []
-        self.consts: dict[float, str] = {}
-
-    def op(self, op_type: str, *inputs: str, **attrs) -> str:
-        out = self.fresh(f"{self.base}_{op_type.lower()}")
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
-        return out
-
-    def const(self, value: float) -> str:
-        # A Constant node, not an initializer: float initializers become the
-        # module's weights.
-        if value not in self.consts:
-            dtype = helper.tensor_dtype_to_np_dtype(self.elem)
-            self.consts[value] = self.op(
-                "Constant", value=numpy_helper.from_array(np.array(value, dtype))
-            )
-        return self.consts[value]
-
-    def mask(self, cmp: str, x: str, bound: float) -> str:
-        """1 where ``x cmp bound``, else 0; no gradient flows through it."""
-        return self.op("Cast", self.op(cmp, x, self.const(bound)), to=self.elem)
+class _Nodes(NodeBuilder):
+    """The pieces the activations are made of."""
 
     def split(self, x: str) -> tuple[str, str]:
         """``(max(x, 0), min(x, 0))``; at 0 the gradient goes to the second."""

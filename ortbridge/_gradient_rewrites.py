@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from ._graph import _all_names, _elem_types, _unique
+from ._onnx_utils import NodeBuilder
 from .exceptions import OnnxModelError
 
 _MS = "com.microsoft"
@@ -43,40 +43,39 @@ def rewrite_gradient(model: onnx.ModelProto, device_type: str) -> dict[str, int]
     """Apply the rewrites for ``device_type`` to ``model`` in place; counts per rewrite."""
     graph = model.graph
     done = {"tanh_gelu": 0, "relu": 0, "quick_gelu": 0}
-    tanh_gelu = _tanh_gelu_grads(graph)
-    relu, quick = set(), set()
+    targets = dict.fromkeys(_tanh_gelu_grads(graph), "tanh_gelu")
     if device_type == "cpu":
         for i, n in enumerate(graph.node):
             if n.domain == _MS and n.op_type == "ReluGrad":
-                relu.add(i)
+                targets[i] = "relu"
             elif n.domain == _MS and n.op_type in ("QuickGelu", "QuickGeluGrad"):
-                quick.add(i)
-    if not tanh_gelu and not relu and not quick:
+                targets[i] = "quick_gelu"
+    if not targets:
         return done
-    builder = _Builder(model)
+    types, taken = _elem_types(model), _all_names(graph)
     nodes = []
     for i, node in enumerate(graph.node):
-        # the activation's input: the only input of QuickGelu, else the second
-        x = node.input[0] if node.op_type == "QuickGelu" else node.input[-1]
-        elem = builder.types.get(x) if i in relu or i in tanh_gelu or i in quick else None
-        if i in tanh_gelu and (device_type != "cpu" or elem not in _TYPES):
+        kind = targets.get(i)
+        if kind is None:
+            nodes.append(node)
+            continue
+        # the activation's input: QuickGelu's only one, a gradient node's second
+        x = node.input[0] if node.op_type == "QuickGelu" else node.input[1]
+        elem = types.get(x)
+        if kind == "tanh_gelu" and (device_type != "cpu" or elem not in _TYPES):
             nodes.append(
                 helper.make_node(
                     "FastGeluGrad", list(node.input), list(node.output), name=node.name, domain=_MS
                 )
             )
-            done["tanh_gelu"] += 1
-        elif i in tanh_gelu:
-            nodes += builder.tanh_gelu_grad(node, elem)
-            done["tanh_gelu"] += 1
-        elif i in relu and elem in _TYPES:
-            nodes += builder.relu_grad(node, elem)
-            done["relu"] += 1
-        elif i in quick and elem == onnx.TensorProto.DOUBLE:
-            nodes += builder.quick_gelu(node, elem)
-            done["quick_gelu"] += 1
-        else:
+        elif elem in _REWRITTEN_TYPES[kind]:
+            b = NodeBuilder(elem, lambda base: _unique(base, taken), prefix=f"{x}_")
+            _REWRITES[kind](b, node, x)
+            nodes += b.replacing(node)
+        else:  # untyped, or a type onnxruntime's kernel handles
             nodes.append(node)
+            continue
+        done[kind] += 1
     del graph.node[:]
     graph.node.extend(nodes)
     return done
@@ -102,7 +101,8 @@ def _tanh_gelu_grads(graph: onnx.GraphProto) -> set[int]:
         if node.input[1] in exact_in:
             # One tensor feeds both GELU forms: the builder names the incoming
             # gradient after the output it belongs to.
-            source = node.input[0][: -len("_grad")]
+            grad = node.input[0]
+            source = grad[: -len("_grad")] if grad.endswith("_grad") else None
             if source in exact_out:
                 continue
             if source not in tanh_out:
@@ -114,84 +114,43 @@ def _tanh_gelu_grads(graph: onnx.GraphProto) -> set[int]:
     return found
 
 
-class _Builder:
-    """Makes replacement nodes with fresh names and shared scalar constants."""
+def _relu_grad(b: NodeBuilder, node, x: str) -> None:
+    b.op("Mul", node.input[0], b.mask("Greater", x, 0.0))
 
-    def __init__(self, model: onnx.ModelProto):
-        self.graph = model.graph
-        self.types = _elem_types(model)
-        self.taken = _all_names(model.graph)
-        self.constants: dict[tuple[int, float], str] = {}
 
-    def name(self, base: str) -> str:
-        return _unique(base, self.taken)
+def _quick_gelu(b: NodeBuilder, node, x: str) -> None:
+    # QuickGelu(x) = x s, s = sigmoid(alpha x); d/dx = s (1 + alpha x (1 - s)).
+    alpha = next(
+        (helper.get_attribute_value(a) for a in node.attribute if a.name == "alpha"), 1.702
+    )
+    scaled = b.op("Mul", x, b.const(alpha))
+    s = b.op("Sigmoid", scaled)
+    if node.op_type == "QuickGelu":
+        b.op("Mul", x, s)
+        return
+    rest = b.op("Sub", b.const(1.0), s)
+    slope = b.op("Mul", s, b.op("Add", b.op("Mul", scaled, rest), b.const(1.0)))
+    b.op("Mul", node.input[0], slope)
 
-    def constant(self, value: float, elem: int) -> str:
-        key = (elem, value)
-        if key not in self.constants:
-            name = self.name(f"ortbridge_const_{len(self.constants)}")
-            dtype = helper.tensor_dtype_to_np_dtype(elem)
-            self.graph.initializer.append(numpy_helper.from_array(np.array(value, dtype), name))
-            self.constants[key] = name
-        return self.constants[key]
 
-    def relu_grad(self, node, elem) -> list[onnx.NodeProto]:
-        d_y, x = node.input[0], node.input[1]
-        active, mask = self.name(f"{x}_active"), self.name(f"{x}_active_mask")
-        return [
-            helper.make_node("Greater", [x, self.constant(0.0, elem)], [active]),
-            helper.make_node("Cast", [active], [mask], to=elem),
-            helper.make_node("Mul", [d_y, mask], [node.output[0]], name=node.name),
-        ]
+def _tanh_gelu_grad(b: NodeBuilder, node, x: str) -> None:
+    # y = x/2 (1 + tanh(u)), u = c (x + k x^3):
+    # dy/dx = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3 k x^2), t = tanh(u).
+    x2 = b.op("Mul", x, x)
+    inner = b.op("Mul", x, b.op("Add", b.op("Mul", x2, b.const(_GELU_K)), b.const(1.0)))
+    t = b.op("Tanh", b.op("Mul", inner, b.const(_GELU_C)))
+    left = b.op("Mul", b.op("Add", t, b.const(1.0)), b.const(0.5))
+    sech2 = b.op("Sub", b.const(1.0), b.op("Mul", t, t))
+    poly = b.op("Add", b.op("Mul", x2, b.const(3 * _GELU_K)), b.const(1.0))
+    right = b.op("Mul", b.op("Mul", b.op("Mul", x, sech2), poly), b.const(0.5 * _GELU_C))
+    b.op("Mul", node.input[0], b.op("Add", left, right))
 
-    def quick_gelu(self, node, elem) -> list[onnx.NodeProto]:
-        # QuickGelu(x) = x s, s = sigmoid(alpha x); d/dx = s (1 + alpha x (1 - s)).
-        alpha = next(
-            (helper.get_attribute_value(a) for a in node.attribute if a.name == "alpha"), 1.702
-        )
-        x = node.input[0] if node.op_type == "QuickGelu" else node.input[1]
-        scaled, s = self.name(f"{x}_qg_ax"), self.name(f"{x}_qg_s")
-        nodes = [
-            helper.make_node("Mul", [x, self.constant(alpha, elem)], [scaled]),
-            helper.make_node("Sigmoid", [scaled], [s]),
-        ]
-        if node.op_type == "QuickGelu":
-            return [*nodes, helper.make_node("Mul", [x, s], list(node.output), name=node.name)]
-        n = {k: self.name(f"{x}_qg_{k}") for k in ("rest", "t", "u", "d")}
-        return [
-            *nodes,
-            helper.make_node("Sub", [self.constant(1.0, elem), s], [n["rest"]]),
-            helper.make_node("Mul", [scaled, n["rest"]], [n["t"]]),
-            helper.make_node("Add", [n["t"], self.constant(1.0, elem)], [n["u"]]),
-            helper.make_node("Mul", [s, n["u"]], [n["d"]]),
-            helper.make_node("Mul", [node.input[0], n["d"]], list(node.output), name=node.name),
-        ]
 
-    def tanh_gelu_grad(self, node, elem) -> list[onnx.NodeProto]:
-        # y = x/2 (1 + tanh(u)), u = c (x + k x^3):
-        # dy/dx = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3 k x^2), t = tanh(u).
-        d_y, x = node.input[0], node.input[1]
-        const = lambda v: self.constant(v, elem)  # noqa: E731
-        n = {
-            k: self.name(f"{x}_gelu_{k}")
-            for k in "x2 a b inner u t tp left t2 s p q r rr d sum".split()
-        }
-        return [
-            helper.make_node("Mul", [x, x], [n["x2"]]),
-            helper.make_node("Mul", [n["x2"], const(_GELU_K)], [n["a"]]),
-            helper.make_node("Add", [n["a"], const(1.0)], [n["b"]]),
-            helper.make_node("Mul", [x, n["b"]], [n["inner"]]),
-            helper.make_node("Mul", [n["inner"], const(_GELU_C)], [n["u"]]),
-            helper.make_node("Tanh", [n["u"]], [n["t"]]),
-            helper.make_node("Add", [n["t"], const(1.0)], [n["tp"]]),
-            helper.make_node("Mul", [n["tp"], const(0.5)], [n["left"]]),
-            helper.make_node("Mul", [n["t"], n["t"]], [n["t2"]]),
-            helper.make_node("Sub", [const(1.0), n["t2"]], [n["s"]]),
-            helper.make_node("Mul", [n["x2"], const(3 * _GELU_K)], [n["p"]]),
-            helper.make_node("Add", [n["p"], const(1.0)], [n["q"]]),
-            helper.make_node("Mul", [x, n["s"]], [n["r"]]),
-            helper.make_node("Mul", [n["r"], n["q"]], [n["rr"]]),
-            helper.make_node("Mul", [n["rr"], const(0.5 * _GELU_C)], [n["d"]]),
-            helper.make_node("Add", [n["left"], n["d"]], [n["sum"]]),
-            helper.make_node("Mul", [d_y, n["sum"]], [node.output[0]], name=node.name),
-        ]
+_REWRITES = {"relu": _relu_grad, "quick_gelu": _quick_gelu, "tanh_gelu": _tanh_gelu_grad}
+# Element types each rewrite takes; other types keep onnxruntime's node (a
+# tanh GELU of another type has got FastGeluGrad before this test).
+_REWRITTEN_TYPES = {
+    "relu": _TYPES,
+    "quick_gelu": (onnx.TensorProto.DOUBLE,),
+    "tanh_gelu": _TYPES,
+}

@@ -7,9 +7,11 @@ ortbridge builds goes through :func:`make_model` to pin both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 #: Highest IR version onnxruntime 1.19.2 loads.
 IR_VERSION = 10
@@ -39,3 +41,40 @@ def np_dtype(elem_type: int) -> np.dtype:
 def elem_type(dtype) -> int:
     """ONNX element type of a numpy dtype."""
     return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+class NodeBuilder:
+    """Nodes computing on tensors of one element type, collected in :attr:`nodes`.
+
+    ``fresh(base)`` returns an unused tensor name; outputs are named
+    ``fresh(prefix + op)``. Scalar constants are ``Constant`` nodes, one per
+    value, not initializers: in a graph :class:`~ortbridge.OnnxModule` loads,
+    a float initializer would become a weight.
+    """
+
+    def __init__(self, elem: int, fresh: Callable[[str], str], prefix: str = ""):
+        self.elem, self.fresh, self.prefix = elem, fresh, prefix
+        self.nodes: list[onnx.NodeProto] = []
+        self._constants: dict[float, str] = {}
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        """Append one node; returns its (only) output."""
+        out = out or self.fresh(f"{self.prefix}{op_type.lower()}")
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
+        return out
+
+    def const(self, value: float) -> str:
+        if value not in self._constants:
+            array = np.array(value, dtype=np_dtype(self.elem))
+            self._constants[value] = self.op("Constant", value=numpy_helper.from_array(array))
+        return self._constants[value]
+
+    def mask(self, comparison: str, x: str, bound: float) -> str:
+        """1 where ``x <comparison> bound``, else 0; no gradient flows through it."""
+        return self.op("Cast", self.op(comparison, x, self.const(bound)), to=self.elem)
+
+    def replacing(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        """The nodes, the last one taking over ``node``'s output and name."""
+        self.nodes[-1].output[0] = node.output[0]
+        self.nodes[-1].name = node.name
+        return self.nodes

@@ -88,7 +88,7 @@ def test_rewritten_graph_computes_relu_grad_exactly(elem):
     rewritten = onnx.ModelProto()
     rewritten.CopyFrom(original)
     assert rewrite_gradient(rewritten, "cpu") == {"tanh_gelu": 0, "relu": 1, "quick_gelu": 0}
-    assert _op_types(rewritten) == {"Greater": 1, "Cast": 1, "Mul": 1}
+    assert _op_types(rewritten) == {"Constant": 1, "Greater": 1, "Cast": 1, "Mul": 1}
     assert rewritten.graph.node[-1].name == "g"  # profiles still name the node
     dtype = helper.tensor_dtype_to_np_dtype(elem)
     rng = np.random.default_rng(0)
@@ -113,6 +113,14 @@ def test_nodes_of_unknown_or_unsupported_type_are_left_alone():
         before = model.SerializeToString()
         assert rewrite_gradient(model, "cpu") == {"tanh_gelu": 0, "relu": 0, "quick_gelu": 0}
         assert model.SerializeToString() == before
+
+
+def test_nodes_without_inputs_beside_a_target_are_kept():
+    # A Constant node (no inputs) in a graph that has something to rewrite.
+    model = _relu_grad_model(TensorProto.FLOAT)
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["c"], value_float=1.0))
+    assert rewrite_gradient(model, "cpu") == {"tanh_gelu": 0, "relu": 1, "quick_gelu": 0}
+    assert model.graph.node[0].op_type == "Constant" and model.graph.node[0].output[0] == "c"
 
 
 def test_relu_grad_stays_on_cuda():

@@ -27,10 +27,12 @@ valid from opset 7 on, so the update runs in any opset the model uses.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
-import numpy as np
-from onnx import helper, numpy_helper
+from onnx import helper
 
+from .. import _onnx_utils
+from .._onnx_utils import NodeBuilder
 from ..exceptions import OnnxInputError
 
 #: Optimizers and their hyperparameters with torch's defaults.
@@ -84,7 +86,10 @@ def append_update(graph, weights: dict, dtype, optimizer: str, options: dict) ->
     named ``<weight>_grad``. Returns every state slot, weights first; the
     caller declares slot inputs and outputs (:func:`declare_slots`).
     """
-    builder = _Builder(graph, np.dtype(dtype))
+    counter = itertools.count(1)
+    builder = NodeBuilder(
+        _onnx_utils.elem_type(dtype), lambda base: f"{base}_{next(counter)}", "optim/"
+    )
     lr = LEARNING_RATE
     slots = [
         StateSlot("weight", name, name, f"optim/{name}/updated", tuple(shape))
@@ -94,6 +99,7 @@ def append_update(graph, weights: dict, dtype, optimizer: str, options: dict) ->
         slots += _sgd(builder, lr, weights, options)
     else:
         slots += _adamw(builder, lr, weights, options)
+    graph.node.extend(builder.nodes)
     return slots
 
 
@@ -153,28 +159,3 @@ def declare_slots(graph, slots: list[StateSlot], elem_type: int) -> None:
         if slot.kind != "weight":  # weights are graph inputs already
             graph.input.append(helper.make_tensor_value_info(slot.input, elem_type, slot.shape))
         graph.output.append(helper.make_tensor_value_info(slot.output, elem_type, slot.shape))
-
-
-class _Builder:
-    """Appends nodes with fresh output names and scalar constants of one dtype."""
-
-    def __init__(self, graph, dtype: np.dtype):
-        self.graph = graph
-        self.dtype = dtype
-        self.count = 0
-        self.constants: dict[float, str] = {}
-
-    def const(self, value: float) -> str:
-        if value not in self.constants:
-            name = f"optim/const_{len(self.constants)}"
-            self.graph.initializer.append(
-                numpy_helper.from_array(np.array(value, dtype=self.dtype), name)
-            )
-            self.constants[value] = name
-        return self.constants[value]
-
-    def op(self, op_type: str, *inputs: str, out: str | None = None) -> str:
-        self.count += 1
-        out = out or f"optim/{op_type.lower()}_{self.count}"
-        self.graph.node.append(helper.make_node(op_type, list(inputs), [out], name=out))
-        return out
