@@ -57,15 +57,20 @@ class RawAgentLoop:
         from ortbridge._ort import capi
 
         C = capi()
+        pinning = self.graph.pinning  # onnxruntime's workers kept off this core, as ortbridge does
         optimizer.zero_grad(set_to_none=True)
         feeds = dict(zip(self.names, [x, *(w.detach() for w in self.weights)]))
         inputs = to_ortvalues([feeds[n] for n in self.graph.feed_names])
         outputs, state = C.OrtValueVector(), C.PartialGraphExecutionState()
+        if pinning is not None:
+            pinning.follow()
         self.graph.agent.run_forward(inputs, outputs, state, None)
         out = from_ortvalues(outputs)[0].requires_grad_()
         loss = loss_fn(out, y)
         loss.backward()
         grads = C.OrtValueVector()
+        if pinning is not None:
+            pinning.follow()
         self.graph.agent.run_backward(to_ortvalues([out.grad]), grads, state)
         for name, grad in zip(self.graph.grad_targets, from_ortvalues(grads)):
             self.param_of[name].grad = grad

@@ -16,6 +16,7 @@ from torch.utils.dlpack import to_dlpack
 from . import _ort
 from ._gradient_rewrites import rewrite_gradient
 from ._graph import batch_var_from_inv_std, unbiased_running_var
+from ._threads import start_pinned
 from .exceptions import NotDifferentiableError, OnnxModelError, OrtBridgeError
 
 _NOT_REGISTERED = re.compile(r"has not been registered: (\S+) for node (\S*)")
@@ -120,19 +121,40 @@ def from_ortvalues(vector) -> list[torch.Tensor]:
 
 
 def _session(model_bytes: bytes, device, session_options, providers):
+    """A session, and the pinning of its workers (None: left to the system).
+
+    Only sessions with ortbridge's own options on the CPU are pinned: options
+    given by the user are theirs to tune.
+    """
     ort = _ort.onnxruntime()
-    so = session_options if session_options is not None else default_session_options(device)
+
+    def create(options):
+        try:
+            return ort.InferenceSession(
+                model_bytes, options, providers=providers_for(device, providers)
+            )
+        except Exception as exc:
+            raise OnnxModelError(f"onnxruntime cannot load the graph: {exc}") from exc
+
+    if session_options is not None or device.type != "cpu":
+        so = session_options if session_options is not None else default_session_options(device)
+        return create(so), None
+    so = default_session_options(device)
     try:
-        return ort.InferenceSession(model_bytes, so, providers=providers_for(device, providers))
-    except Exception as exc:
-        raise OnnxModelError(f"onnxruntime cannot load the graph: {exc}") from exc
+        return start_pinned(create, so, so.intra_op_num_threads - 1)
+    except OnnxModelError:
+        # The model, or thread affinities this onnxruntime refuses: once
+        # more without them, so that only the model's own error comes out.
+        return create(default_session_options(device)), None
 
 
 class InferenceGraph:
     """A plain inference session over a graph whose weights are inputs."""
 
     def __init__(self, model: onnx.ModelProto, device, session_options=None, providers=None):
-        self.session = _session(model.SerializeToString(), device, session_options, providers)
+        self.session, self.pinning = _session(
+            model.SerializeToString(), device, session_options, providers
+        )
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._devices = [ort_device(device)] * len(self.output_names)
@@ -140,6 +162,8 @@ class InferenceGraph:
 
     def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         C = _capi()
+        if self.pinning is not None:
+            self.pinning.follow()
         inputs = to_ortvalues([feeds[name] for name in self.input_names])
         outputs = C.OrtValueVector()
         try:
@@ -213,7 +237,9 @@ class GradientGraph:
         self.feed_order = None if order == list(range(len(position))) else order
         self.grad_slots = [position[n] for n in self.grad_targets]
         self.gradient_model = gradient
-        self.session = _session(gradient.SerializeToString(), device, session_options, providers)
+        self.session, self.pinning = _session(
+            gradient.SerializeToString(), device, session_options, providers
+        )
         dev = ort_device(device)
         n_fw = self.n_user_outputs + len(self.batch_norm_outputs)
         self.agent = C.TrainingAgent(
@@ -232,6 +258,8 @@ class GradientGraph:
         the execution state :meth:`backward` consumes.
         """
         C = _capi()
+        if self.pinning is not None:
+            self.pinning.follow()
         if self.feed_order is not None:
             tensors = [tensors[i] for i in self.feed_order]
         inputs = to_ortvalues(tensors)
@@ -250,6 +278,8 @@ class GradientGraph:
     def backward(self, grad_outputs: list[torch.Tensor], state) -> list[torch.Tensor]:
         """Resume ``state``; the gradients, one per ``grad_targets``/``grad_slots``."""
         C = _capi()
+        if self.pinning is not None:
+            self.pinning.follow()
         inputs = to_ortvalues(grad_outputs)
         outputs = C.OrtValueVector()
         try:

@@ -438,7 +438,11 @@ def test_training_paths_benchmark_runs(tmp_path):
     spec.loader.exec_module(bench)
     output = tmp_path / "result.json"
     argv = ["--sizes", "4,8,1", "--batch", "4", "--steps", "2", "--rounds", "1"]
-    result = bench.main([*argv, "--threads", "1", "--output", str(output)])
+    threads = torch.get_num_threads()
+    try:
+        result = bench.main([*argv, "--threads", "1", "--output", str(output)])
+    finally:
+        torch.set_num_threads(threads)  # the script sets the process's count
     assert json.loads(output.read_text()) == json.loads(json.dumps(result))
     ways = {row["way"]: row for row in result["rows"]}
     assert result["skipped"] == {}

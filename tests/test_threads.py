@@ -1,0 +1,182 @@
+"""onnxruntime's intra-op workers are kept off the core of the thread calling them."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import onnxruntime
+import pytest
+import torch
+
+from ortbridge import OnnxModule, _threads
+from ortbridge._examples import linear_model
+from ortbridge._threads import WorkerPinning, start_pinned, thread_ids
+
+pinnable = pytest.mark.skipif(
+    thread_ids() is None or len(os.sched_getaffinity(0)) < 2 or torch.get_num_threads() < 2,
+    reason="needs Linux thread ids, two cores or more and torch on two threads or more",
+)
+
+
+def _graphs(layer):
+    return [*layer._bridge._gradient_graphs.values(), *layer._bridge._inference_graphs.values()]
+
+
+@pinnable
+def test_workers_run_on_every_core_but_the_callers():
+    layer = OnnxModule(linear_model(3, 2))
+    layer(torch.randn(4, 3)).sum().backward()
+    with torch.no_grad():
+        layer(torch.randn(4, 3))
+    graphs = _graphs(layer)
+    assert len(graphs) == 2  # the gradient graph and the inference graph
+    allowed = os.sched_getaffinity(0)
+    main = threading.get_native_id()
+    for graph in graphs:
+        pinning = graph.pinning
+        assert pinning is not None
+        # One worker per intra-op thread beside the caller's, none of them this thread.
+        assert len(pinning.workers) == torch.get_num_threads() - 1
+        assert main not in pinning.workers
+        assert pinning.cpu in allowed
+        for tid in pinning.workers:
+            assert os.sched_getaffinity(tid) == allowed - {pinning.cpu}
+
+
+@pinnable
+def test_workers_follow_the_caller_to_another_core(monkeypatch):
+    layer = OnnxModule(linear_model(3, 2))
+    layer(torch.randn(4, 3)).sum().backward()
+    (graph,) = layer._bridge._gradient_graphs.values()
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    for cpu in (first, second, first):
+        monkeypatch.setattr(_threads, "_getcpu", lambda cpu=cpu: cpu)
+        layer(torch.randn(4, 3)).sum().backward()
+        assert graph.pinning.cpu == cpu
+        for tid in graph.pinning.workers:
+            assert cpu not in os.sched_getaffinity(tid)
+
+
+@pinnable
+def test_follow_does_not_call_the_system_when_the_core_is_unchanged(monkeypatch):
+    allowed = os.sched_getaffinity(0)
+    pinning = WorkerPinning([threading.get_native_id()], allowed, -1)
+    calls = []
+    real = os.sched_setaffinity
+    monkeypatch.setattr(os, "sched_setaffinity", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(_threads, "_getcpu", lambda: min(allowed))
+    try:
+        for _ in range(3):
+            pinning.follow()
+        assert len(calls) == 1
+    finally:
+        real(0, allowed)
+
+
+def test_options_given_by_the_user_are_left_alone():
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 2
+    layer = OnnxModule(linear_model(3, 2), session_options=options)
+    layer(torch.randn(4, 3)).sum().backward()
+    (graph,) = layer._bridge._gradient_graphs.values()
+    assert graph.pinning is None
+
+
+@pinnable
+def test_one_thread_means_nothing_to_pin():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        layer = OnnxModule(linear_model(3, 2))
+        layer(torch.randn(4, 3)).sum().backward()
+    finally:
+        torch.set_num_threads(threads)
+    (graph,) = layer._bridge._gradient_graphs.values()
+    assert graph.pinning is None
+
+
+@pinnable
+def test_workers_are_told_from_threads_started_meanwhile():
+    # A thread another library starts while the session is created has the
+    # process's cores, not the workers' mask: it is neither counted nor pinned.
+    done = threading.Event()
+    others = []
+
+    def create(options):
+        thread = threading.Thread(target=done.wait)
+        thread.start()
+        others.append(thread)
+        return onnxruntime.InferenceSession(
+            linear_model(3, 2).SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 2
+    try:
+        session, pinning = start_pinned(create, options, 1)
+        assert session.get_inputs()[0].name == "x"
+        assert pinning is not None
+        assert others[0].native_id not in pinning.workers
+        assert os.sched_getaffinity(others[0].native_id) == os.sched_getaffinity(0)
+        (worker,) = pinning.workers
+        assert os.sched_getaffinity(worker) == os.sched_getaffinity(0) - {pinning.cpu}
+    finally:
+        done.set()
+        for thread in others:
+            thread.join()
+
+
+@pinnable
+def test_workers_not_found_are_not_followed(monkeypatch):
+    # Told to expect more workers than onnxruntime starts: no pinning object
+    # (the session itself is fine).
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 2
+
+    def create(options):
+        return onnxruntime.InferenceSession(
+            linear_model(3, 2).SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+
+    with pytest.raises(Exception, match="affinit"):
+        start_pinned(create, options, 2)  # onnxruntime checks the count itself
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 2
+    monkeypatch.setattr(_threads, "thread_ids", lambda: set())
+    session, pinning = start_pinned(create, options, 1)
+    assert pinning is None and session.get_inputs()[0].name == "x"
+
+
+@pinnable
+def test_a_worker_that_is_gone_stops_the_pinning():
+    thread = threading.Thread(target=lambda: None)
+    thread.start()
+    gone = thread.native_id
+    thread.join()
+    # join() returns before the system thread has quite finished.
+    for _ in range(1000):
+        if not os.path.exists(f"/proc/self/task/{gone}"):
+            break
+        time.sleep(0.001)
+    pinning = WorkerPinning([gone], os.sched_getaffinity(0), -1)
+    pinning.follow()  # no error
+    assert pinning.workers == []
+    pinning.follow()
+
+
+def test_affinities_refused_still_give_a_session(monkeypatch):
+    from ortbridge import _runtime
+    from ortbridge.exceptions import OnnxModelError
+
+    def refuse(create, options, n_workers):
+        raise OnnxModelError("onnxruntime cannot load the graph: bad affinity string")
+
+    monkeypatch.setattr(_runtime, "start_pinned", refuse)
+    layer = OnnxModule(linear_model(3, 2))
+    x = torch.randn(4, 3)
+    layer(x).sum().backward()
+    (graph,) = layer._bridge._gradient_graphs.values()
+    assert graph.pinning is None
+    assert torch.allclose(layer(x), x @ layer.weight.T + layer.bias)
