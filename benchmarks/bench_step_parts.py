@@ -1,14 +1,16 @@
-"""Where the time of one training step goes: ortbridge against torch eager.
+"""Where the time of one training step goes: ortbridge, the raw TrainingAgent loop, torch eager.
 
 The step of ``bench_step.py`` (forward, loss, backward, ``torch.optim.SGD``)
-on one model, stamped at every hand-over: torch's own phases for eager;
-for ortbridge also the entry and exit of the generated autograd Function and
-of onnxruntime's ``TrainingAgent`` calls (wrapped here, the module is not
-changed). Medians over the timed steps, interleaved blocks; then
-onnxruntime's forward + backward alone in a tight loop, and torch's, to
-compare the kernels without anything around them; then torch's loss alone,
-right after an onnxruntime forward and right after torch's, to show what
-switching runtimes costs the code that runs next.
+on one model, stamped at every hand-over: torch's own phases for eager; for
+the raw loop (``bench_step.py``'s) and ortbridge also onnxruntime's
+``TrainingAgent`` calls (wrapped here), and for ortbridge the entry and exit
+of ``Function.apply`` and of the generated Function's forward and backward,
+so that what runs inside torch's autograd shows apart from ortbridge's own
+Python (the module is not changed). Medians over the timed steps,
+interleaved blocks; then onnxruntime's forward + backward alone in a tight
+loop, and torch's, to compare the kernels without anything around them;
+then torch's loss alone, right after an onnxruntime forward and right after
+torch's, to show what switching runtimes costs the code that runs next.
 
     python benchmarks/bench_step_parts.py --model mlp
 """
@@ -27,10 +29,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _models  # noqa: E402
+import bench_step  # noqa: E402
 
 from ortbridge import OnnxModule  # noqa: E402
 from ortbridge._ort import capi  # noqa: E402
-from ortbridge._runtime import to_ortvalues  # noqa: E402
+from ortbridge._runtime import from_ortvalues, to_ortvalues  # noqa: E402
 
 LR = 0.01
 EAGER = [
@@ -42,17 +45,37 @@ EAGER = [
 ]
 ORTBRIDGE = [
     ("zero_grad", "start", "zero_grad"),
-    ("module checks, into the Function", "zero_grad", "fn_forward_in"),
-    ("inputs to onnxruntime", "fn_forward_in", "ort_forward_call"),
+    ("module checks", "zero_grad", "apply_call"),
+    ("torch: Function.apply to forward", "apply_call", "fn_forward_in"),
+    ("graph lookup, inputs to onnxruntime", "fn_forward_in", "ort_forward_call"),
     ("onnxruntime forward", "ort_forward_call", "ort_forward_return"),
-    ("outputs back to torch", "ort_forward_return", "forward"),
+    ("outputs copied to torch, ctx", "ort_forward_return", "fn_forward_out"),
+    ("torch: outputs wrapped, saved", "fn_forward_out", "apply_return"),
+    ("module returns", "apply_return", "forward"),
     ("loss", "forward", "loss"),
-    ("autograd down to the Function", "loss", "fn_backward_in"),
+    ("torch: autograd down to the Function", "loss", "fn_backward_in"),
     ("gradients to onnxruntime", "fn_backward_in", "ort_backward_call"),
     ("onnxruntime backward", "ort_backward_call", "ort_backward_return"),
-    ("gradients back, accumulated", "ort_backward_return", "backward"),
+    ("gradients back to torch", "ort_backward_return", "fn_backward_out"),
+    ("torch: gradients checked, accumulated", "fn_backward_out", "backward"),
     ("SGD step", "backward", "step"),
 ]
+RAW = [
+    ("zero_grad", "start", "zero_grad"),
+    ("inputs to onnxruntime", "zero_grad", "ort_forward_call"),
+    ("onnxruntime forward", "ort_forward_call", "ort_forward_return"),
+    ("outputs to torch", "ort_forward_return", "forward"),
+    ("loss", "forward", "loss"),
+    ("torch: autograd of the loss", "loss", "loss_backward"),
+    ("gradient to onnxruntime", "loss_backward", "ort_backward_call"),
+    ("onnxruntime backward", "ort_backward_call", "ort_backward_return"),
+    ("gradients set as .grad", "ort_backward_return", "backward"),
+    ("SGD step", "backward", "step"),
+]
+# Phases that are neither onnxruntime's kernels nor the loss, the update or
+# zero_grad: what a bridge adds around onnxruntime (the raw loop's own glue
+# is the floor).
+_NOT_GLUE = {"zero_grad", "onnxruntime forward", "onnxruntime backward", "loss", "SGD step"}
 
 
 class _Stamps(list):
@@ -85,18 +108,58 @@ def _stamped_layer(layer, x, stamps):
     )
     graph.agent = _TimedAgent(graph.agent, stamps)
     function = layer.function
-    forward, backward = function.forward, function.backward
+    forward, backward, apply = function.forward, function.backward, function.apply
 
     def stamped_forward(*args):
         stamps.mark("fn_forward_in")
-        return forward(*args)
+        result = forward(*args)
+        stamps.mark("fn_forward_out")
+        return result
 
     def stamped_backward(*args):
         stamps.mark("fn_backward_in")
-        return backward(*args)
+        result = backward(*args)
+        stamps.mark("fn_backward_out")
+        return result
+
+    def stamped_apply(*args):
+        stamps.mark("apply_call")
+        result = apply(*args)
+        stamps.mark("apply_return")
+        return result
 
     function.forward = staticmethod(stamped_forward)
     function.backward = staticmethod(stamped_backward)
+    function.apply = stamped_apply
+
+
+def _raw_step(raw, optimizer, loss_fn, x, y, stamps):
+    """``bench_step.RawAgentLoop.step``, stamped at each hand-over."""
+    C, graph, pinning = capi(), raw.graph, raw.graph.pinning
+    stamps.mark("start")
+    optimizer.zero_grad(set_to_none=True)
+    stamps.mark("zero_grad")
+    feeds = dict(zip(raw.names, [x, *(w.detach() for w in raw.weights)]))
+    inputs = to_ortvalues([feeds[n] for n in graph.feed_names])
+    outputs, state = C.OrtValueVector(), C.PartialGraphExecutionState()
+    if pinning is not None:
+        pinning.follow()
+    graph.agent.run_forward(inputs, outputs, state, None)
+    out = from_ortvalues(outputs)[0].requires_grad_()
+    stamps.mark("forward")
+    loss = loss_fn(out, y)
+    stamps.mark("loss")
+    loss.backward()
+    stamps.mark("loss_backward")
+    grads = C.OrtValueVector()
+    if pinning is not None:
+        pinning.follow()
+    graph.agent.run_backward(to_ortvalues([out.grad]), grads, state)
+    for name, grad in zip(graph.grad_targets, from_ortvalues(grads)):
+        raw.param_of[name].grad = grad
+    stamps.mark("backward")
+    optimizer.step()
+    stamps.mark("step")
 
 
 def _step(module, optimizer, loss_fn, x, y, stamps):
@@ -123,30 +186,42 @@ def measure(name: str, rounds: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = factory()
     x, y = _models.data(name, torch.device("cpu"))
-    layer = OnnxModule(_models.export(model, x))
+    proto = _models.export(model, x)
+    layer = OnnxModule(proto)
     loss_fn = _models.loss_fn(name)
     stamps = _Stamps()
     _stamped_layer(layer, x, stamps)
+    raw = bench_step.RawAgentLoop(OnnxModule(proto), x)
+    raw.graph.agent = _TimedAgent(raw.graph.agent, stamps)
     variants = {
         "eager": (model, torch.optim.SGD(model.parameters(), lr=LR), EAGER),
+        "raw": (raw, torch.optim.SGD(raw.params, lr=LR), RAW),
         "ortbridge": (layer, torch.optim.SGD(layer.parameters(), lr=LR), ORTBRIDGE),
     }
     parts = {v: {label: [] for label, _, _ in spans} for v, (_, _, spans) in variants.items()}
     totals = {v: [] for v in variants}
+    glue = {v: [] for v in variants if v != "eager"}
     for round_ in range(rounds + 1):
         for v, (module, optimizer, spans) in variants.items():
             for _ in range(steps):
                 stamps.clear()
-                _step(module, optimizer, loss_fn, x, y, stamps)
+                if v == "raw":
+                    _raw_step(module, optimizer, loss_fn, x, y, stamps)
+                else:
+                    _step(module, optimizer, loss_fn, x, y, stamps)
                 if round_:  # the first round warms up
-                    for label, value in _phases(stamps, spans).items():
+                    phases = _phases(stamps, spans)
+                    for label, value in phases.items():
                         parts[v][label].append(value)
                     totals[v].append((stamps[-1][1] - stamps[0][1]) * 1e6)
+                    if v in glue:
+                        glue[v].append(sum(t for k, t in phases.items() if k not in _NOT_GLUE))
     result = {
         v: {label: statistics.median(values) for label, values in p.items()}
         for v, p in parts.items()
     }
     result["total"] = {v: statistics.median(t) for v, t in totals.items()}
+    result["glue"] = {v: statistics.median(t) for v, t in glue.items()}
     result["alone"] = _alone(model, layer, x, y, loss_fn, steps * rounds)
     result["loss_after"] = _loss_after(model, layer, x, y, loss_fn, steps * rounds)
     return result
@@ -226,7 +301,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     r = measure(args.model, args.rounds, args.steps)
     print(f"{args.model}: median us of each phase of a step")
-    for variant in ("eager", "ortbridge"):
+    for variant in ("eager", "raw", "ortbridge"):
         print(f"  {variant}")
         for label, value in r[variant].items():
             print(f"    {label:36s} {value:8.1f}")
@@ -236,6 +311,13 @@ def main(argv=None) -> int:
         f"  onnxruntime's two calls: {ort:.1f} us of ortbridge's {r['total']['ortbridge']:.1f} "
         f"({ort / r['total']['ortbridge']:.0%}); ortbridge / eager "
         f"{r['total']['ortbridge'] / r['total']['eager']:.3f}"
+    )
+    glue, ob = r["glue"], r["ortbridge"]
+    in_torch = sum(t for k, t in ob.items() if k.startswith("torch:"))
+    print(
+        f"  around onnxruntime (not its kernels, the loss, the update or zero_grad): raw loop "
+        f"{glue['raw']:.1f} us, ortbridge {glue['ortbridge']:.1f} us; of ortbridge's phases, "
+        f"{in_torch:.1f} us run in torch's autograd (the 'torch:' lines)"
     )
     alone = r["alone"]
     print(

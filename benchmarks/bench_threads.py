@@ -37,6 +37,16 @@ LR = 0.01
 VARIANTS = ("pinned", "system")
 
 
+def _unpin(layer: OnnxModule) -> None:
+    """Give a module's workers back every core and stop them following the caller."""
+    for graph in layer._bridge._gradient_graphs.values():
+        pinning, graph.pinning = graph.pinning, None
+        if pinning is None:
+            raise SystemExit("no pinned workers to compare with (not Linux, or one thread)")
+        for tid in pinning.workers:
+            os.sched_setaffinity(tid, pinning.allowed)
+
+
 def measure(name: str, copies: int, rounds: int, steps: int, seed: int = 0) -> dict:
     factory, _, _ = _models.MODELS[name]
     torch.manual_seed(0)
@@ -50,8 +60,7 @@ def measure(name: str, copies: int, rounds: int, steps: int, seed: int = 0) -> d
             layer = OnnxModule(proto)
             layer(x).sum().backward()  # builds the gradient graph
             if variant == "system":
-                for graph in layer._bridge._gradient_graphs.values():
-                    graph.pinning = None
+                _unpin(layer)
             runs[(variant, k)] = (layer, torch.optim.SGD(layer.parameters(), lr=LR))
     times = {key: [] for key in runs}
     order = list(runs)
@@ -89,7 +98,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_xticks(range(len(VARIANTS)), ["workers pinned (ortbridge)", "left to the system"])
     ax.set_xlim(-0.6, len(VARIANTS) - 0.4)
     ax.set_ylabel("ms per training step (median)")
-    ax.set_title(f"{result['model']}: the same session, copies side by side")
+    ax.set_title(f"{result['model']}: copies of one model, each its own session")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
