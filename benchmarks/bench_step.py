@@ -39,6 +39,10 @@ from ortbridge._runtime import from_ortvalues, to_ortvalues  # noqa: E402
 LR = 0.01
 
 
+def _no_mark(name):
+    pass
+
+
 class RawAgentLoop:
     """The TrainingAgent driven by hand on the gradient graph of ``layer``."""
 
@@ -53,12 +57,16 @@ class RawAgentLoop:
         self.names = layer._bridge.feed_names
         self.param_of = {n: layer.onnx_weight(n) for n, _ in layer.named_onnx_parameters()}
 
-    def step(self, optimizer, loss_fn, x, y):
+    def step(self, optimizer, loss_fn, x, y, mark=None):
+        """One step; ``mark(name)``, if given, is called at each hand-over (bench_step_parts)."""
         from ortbridge._ort import capi
 
         C = capi()
+        mark = mark or _no_mark
         pinning = self.graph.pinning  # onnxruntime's workers kept off this core, as ortbridge does
+        mark("start")
         optimizer.zero_grad(set_to_none=True)
+        mark("zero_grad")
         feeds = dict(zip(self.names, [x, *(w.detach() for w in self.weights)]))
         inputs = to_ortvalues([feeds[n] for n in self.graph.feed_names])
         outputs, state = C.OrtValueVector(), C.PartialGraphExecutionState()
@@ -66,15 +74,20 @@ class RawAgentLoop:
             pinning.follow()
         self.graph.agent.run_forward(inputs, outputs, state, None)
         out = from_ortvalues(outputs)[0].requires_grad_()
+        mark("forward")
         loss = loss_fn(out, y)
+        mark("loss")
         loss.backward()
+        mark("loss_backward")
         grads = C.OrtValueVector()
         if pinning is not None:
             pinning.follow()
         self.graph.agent.run_backward(to_ortvalues([out.grad]), grads, state)
         for name, grad in zip(self.graph.grad_targets, from_ortvalues(grads)):
             self.param_of[name].grad = grad
+        mark("backward")
         optimizer.step()
+        mark("step")
         return loss
 
 

@@ -33,7 +33,7 @@ import bench_step  # noqa: E402
 
 from ortbridge import OnnxModule  # noqa: E402
 from ortbridge._ort import capi  # noqa: E402
-from ortbridge._runtime import from_ortvalues, to_ortvalues  # noqa: E402
+from ortbridge._runtime import to_ortvalues  # noqa: E402
 
 LR = 0.01
 EAGER = [
@@ -102,10 +102,17 @@ class _TimedAgent:
         return result
 
 
-def _stamped_layer(layer, x, stamps):
+def _train_graph(layer, x):
+    """The layer's gradient graph for training its weights, and its feeds in order."""
     graph = layer._bridge.gradient_graph(
         "train", (False,) * len(layer.input_names) + (True,) * len(layer._weight_names), x.device
     )
+    feeds = dict(zip(layer._bridge.feed_names, [x, *(w.detach() for w in layer._weights())]))
+    return graph, [feeds[k] for k in graph.feed_names]
+
+
+def _stamped_layer(layer, x, stamps):
+    graph, _ = _train_graph(layer, x)
     graph.agent = _TimedAgent(graph.agent, stamps)
     function = layer.function
     forward, backward, apply = function.forward, function.backward, function.apply
@@ -131,35 +138,6 @@ def _stamped_layer(layer, x, stamps):
     function.forward = staticmethod(stamped_forward)
     function.backward = staticmethod(stamped_backward)
     function.apply = stamped_apply
-
-
-def _raw_step(raw, optimizer, loss_fn, x, y, stamps):
-    """``bench_step.RawAgentLoop.step``, stamped at each hand-over."""
-    C, graph, pinning = capi(), raw.graph, raw.graph.pinning
-    stamps.mark("start")
-    optimizer.zero_grad(set_to_none=True)
-    stamps.mark("zero_grad")
-    feeds = dict(zip(raw.names, [x, *(w.detach() for w in raw.weights)]))
-    inputs = to_ortvalues([feeds[n] for n in graph.feed_names])
-    outputs, state = C.OrtValueVector(), C.PartialGraphExecutionState()
-    if pinning is not None:
-        pinning.follow()
-    graph.agent.run_forward(inputs, outputs, state, None)
-    out = from_ortvalues(outputs)[0].requires_grad_()
-    stamps.mark("forward")
-    loss = loss_fn(out, y)
-    stamps.mark("loss")
-    loss.backward()
-    stamps.mark("loss_backward")
-    grads = C.OrtValueVector()
-    if pinning is not None:
-        pinning.follow()
-    graph.agent.run_backward(to_ortvalues([out.grad]), grads, state)
-    for name, grad in zip(graph.grad_targets, from_ortvalues(grads)):
-        raw.param_of[name].grad = grad
-    stamps.mark("backward")
-    optimizer.step()
-    stamps.mark("step")
 
 
 def _step(module, optimizer, loss_fn, x, y, stamps):
@@ -206,7 +184,7 @@ def measure(name: str, rounds: int, steps: int) -> dict:
             for _ in range(steps):
                 stamps.clear()
                 if v == "raw":
-                    _raw_step(module, optimizer, loss_fn, x, y, stamps)
+                    module.step(optimizer, loss_fn, x, y, stamps.mark)
                 else:
                     _step(module, optimizer, loss_fn, x, y, stamps)
                 if round_:  # the first round warms up
@@ -230,16 +208,13 @@ def measure(name: str, rounds: int, steps: int) -> dict:
 def _alone(model, layer, x, y, loss_fn, n):
     """Forward + backward without anything around: onnxruntime's, then torch's."""
     C = capi()
-    graph = layer._bridge.gradient_graph(
-        "train", (False,) * len(layer.input_names) + (True,) * len(layer._weight_names), x.device
-    )
+    graph, inputs = _train_graph(layer, x)
     agent = graph.agent.agent  # the unstamped one
-    feeds = dict(zip(layer._bridge.feed_names, [x, *(w.detach() for w in layer._weights())]))
     out_grad = torch.randn_like(model(x)) / x.shape[0]
 
     def ort():
         outputs, state = C.OrtValueVector(), C.PartialGraphExecutionState()
-        agent.run_forward(to_ortvalues([feeds[k] for k in graph.feed_names]), outputs, state, None)
+        agent.run_forward(to_ortvalues(inputs), outputs, state, None)
         agent.run_backward(to_ortvalues([out_grad]), C.OrtValueVector(), state)
 
     def eager():
@@ -264,12 +239,8 @@ def _loss_after(model, layer, x, y, loss_fn, n):
     one runtime to the other costs the torch code that runs next.
     """
     C = capi()
-    graph = layer._bridge.gradient_graph(
-        "train", (False,) * len(layer.input_names) + (True,) * len(layer._weight_names), x.device
-    )
-    agent = graph.agent.agent
-    feeds = dict(zip(layer._bridge.feed_names, [x, *(w.detach() for w in layer._weights())]))
-    inputs = [feeds[k] for k in graph.feed_names]
+    graph, inputs = _train_graph(layer, x)
+    agent = graph.agent.agent  # the unstamped one
     out = model(x).detach()
 
     def ort_forward():

@@ -136,10 +136,11 @@ def _session(model_bytes: bytes, device, session_options, providers):
         except Exception as exc:
             raise OnnxModelError(f"onnxruntime cannot load the graph: {exc}") from exc
 
-    if session_options is not None or device.type != "cpu":
-        so = session_options if session_options is not None else default_session_options(device)
-        return create(so), None
+    if session_options is not None:
+        return create(session_options), None
     so = default_session_options(device)
+    if device.type != "cpu":
+        return create(so), None
     try:
         return start_pinned(create, so, so.intra_op_num_threads - 1)
     except OnnxModelError:
