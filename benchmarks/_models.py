@@ -29,12 +29,42 @@ def transformer() -> nn.Module:
     return nn.TransformerEncoderLayer(d_model=256, nhead=4, batch_first=True, dropout=0.0)
 
 
-# name -> (factory, input shape, classification?)
+class LSTMRegressor(nn.Module):
+    """A two-layer bidirectional LSTM and a linear head on its outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(32, 64, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(128, 32)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+def lstm() -> nn.Module:
+    return LSTMRegressor()
+
+
+def unet_decoder() -> nn.Module:
+    """A small UNet decoder: ConvTranspose, GroupNorm, Upsample, Conv."""
+    return nn.Sequential(
+        nn.ConvTranspose2d(32, 16, 2, stride=2), nn.GroupNorm(4, 16), nn.ReLU(),
+        nn.Upsample(scale_factor=2, mode="bilinear"), nn.Conv2d(16, 8, 3, padding=1),
+    )  # fmt: skip
+
+
+# name -> (factory, input shape, classification?, output shape for regression)
 MODELS = {
     "mlp": (mlp, (64, 784), True),
     "cnn": (cnn, (64, 1, 28, 28), True),
     "transformer": (transformer, (16, 64, 256), False),
+    "lstm": (lstm, (16, 20, 32), False),
+    "unet": (unet_decoder, (8, 32, 8, 8), False),
 }
+#: Models the training build cannot train (only the onnxruntime engine does).
+ONNXRUNTIME_ONLY = {"lstm", "unet"}
+#: Regression targets' shapes where they differ from the input's.
+TARGET_SHAPES = {"unet": (8, 8, 32, 32)}
 
 
 def data(name: str, device: torch.device, seed: int = 0):
@@ -45,7 +75,7 @@ def data(name: str, device: torch.device, seed: int = 0):
     if classify:
         y = torch.randint(0, 10, (shape[0],), generator=gen)
     else:
-        y = torch.randn(*shape, generator=gen)
+        y = torch.randn(*TARGET_SHAPES.get(name, shape), generator=gen)
     return x.to(device), y.to(device)
 
 

@@ -1,17 +1,25 @@
-"""Time of one training step: ortbridge vs the raw TrainingAgent vs torch eager.
+"""Time of one training step: both ortbridge engines vs the raw TrainingAgent vs torch eager.
 
-A step is forward, loss, backward and a torch SGD step. Three ways, on the
-same weights and batch:
+A step is forward, loss, backward and a torch SGD step. Up to four ways, on
+the same weights and batch:
 
 - ``eager``: the torch model itself;
 - ``raw``: the TrainingAgent loop on the very gradient graph ortbridge builds,
   driven by hand (DLPack in and out, loss gradient from torch, SGD in torch):
-  the floor any bridge can reach;
-- ``ortbridge``: ``OnnxModule`` + ``torch.optim.SGD``.
+  the floor any bridge over the training build can reach;
+- ``ortbridge``: ``OnnxModule(backend="training-agent")`` + ``torch.optim.SGD``;
+- ``ob-ort``: ``OnnxModule(backend="onnxruntime")``, the same step.
 
-Hypothesis: the bridge adds almost nothing to the raw loop (ortbridge / raw
-<= 1.05) and, with onnxruntime's threads set not to fight torch's, a step on
-the MLP is no slower than torch eager (ortbridge / eager <= 1.0).
+The training-agent variants run only where the training build is installed
+and can train the model (not the LSTM or the UNet decoder). Also measured:
+the bytes each step keeps for backward (tensors saved in torch's autograd
+graph, weights and inputs not counted) for torch eager and the onnxruntime
+engine.
+
+Hypotheses: the bridge adds almost nothing to the raw loop (ortbridge / raw
+<= 1.05); the onnxruntime engine is no slower than the training agent
+(ob-ort / ortbridge <= 1.0) and, on the MLP, than torch eager (<= 1.0); it
+keeps at most 1.2x the bytes torch keeps.
 
 Repetitions are interleaved (each round times every variant), the medians
 are compared; results go to a JSON file and a PNG plot.
@@ -33,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _models  # noqa: E402
 
-from ortbridge import OnnxModule  # noqa: E402
+from ortbridge import OnnxModule, _ort  # noqa: E402
 from ortbridge._runtime import from_ortvalues, to_ortvalues  # noqa: E402
 
 LR = 0.01
@@ -91,6 +99,26 @@ class RawAgentLoop:
         return loss
 
 
+def saved_bytes(module, loss_fn, x, y) -> int:
+    """Bytes of the tensors a step keeps for backward, weights and inputs excluded."""
+    own = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    own |= {b.untyped_storage().data_ptr() for b in module.buffers()}
+    own.add(x.untyped_storage().data_ptr())
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(module(x), y)
+    loss.backward()
+    module.zero_grad(set_to_none=True)
+    return sum(kept.values())
+
+
 def measure(name: str, device: torch.device, rounds: int, steps: int) -> dict:
     factory, _, _ = _models.MODELS[name]
     torch.manual_seed(0)
@@ -98,14 +126,15 @@ def measure(name: str, device: torch.device, rounds: int, steps: int) -> dict:
     x, y = _models.data(name, device)
     proto = _models.export(model, x.cpu())
     model.to(device)
-    layer = OnnxModule(proto).to(device)
-    raw = RawAgentLoop(OnnxModule(proto).to(device), x)
     loss_fn = _models.loss_fn(name)
-    variants = {
-        "eager": (model, torch.optim.SGD(model.parameters(), lr=LR)),
-        "raw": (raw, torch.optim.SGD(raw.params, lr=LR)),
-        "ortbridge": (layer, torch.optim.SGD(layer.parameters(), lr=LR)),
-    }
+    variants = {"eager": (model, torch.optim.SGD(model.parameters(), lr=LR))}
+    if _ort.has_training() and name not in _models.ONNXRUNTIME_ONLY:
+        raw = RawAgentLoop(OnnxModule(proto, backend="training-agent").to(device), x)
+        layer = OnnxModule(proto, backend="training-agent").to(device)
+        variants["raw"] = (raw, torch.optim.SGD(raw.params, lr=LR))
+        variants["ortbridge"] = (layer, torch.optim.SGD(layer.parameters(), lr=LR))
+    ort_layer = OnnxModule(proto, backend="onnxruntime").to(device)
+    variants["ob-ort"] = (ort_layer, torch.optim.SGD(ort_layer.parameters(), lr=LR))
 
     def run(variant):
         module, optimizer = variants[variant]
@@ -129,14 +158,23 @@ def measure(name: str, device: torch.device, rounds: int, steps: int) -> dict:
                 torch.cuda.synchronize()
             times[v].append((time.perf_counter() - start) / steps * 1e3)
     medians = {v: statistics.median(t) for v, t in times.items()}
+    saved = {v: saved_bytes(variants[v][0], loss_fn, x, y) for v in ("eager", "ob-ort")}
+
+    def ratio(a, b):
+        return medians[a] / medians[b] if a in medians and b in medians else None
+
     return {
         "model": name,
         "first_loss": first,
         "ms": medians,
         "all_ms": times,
-        "ortbridge/raw": medians["ortbridge"] / medians["raw"],
-        "ortbridge/eager": medians["ortbridge"] / medians["eager"],
-        "raw/eager": medians["raw"] / medians["eager"],
+        "saved_bytes": saved,
+        "ortbridge/raw": ratio("ortbridge", "raw"),
+        "ortbridge/eager": ratio("ortbridge", "eager"),
+        "raw/eager": ratio("raw", "eager"),
+        "ob-ort/ortbridge": ratio("ob-ort", "ortbridge"),
+        "ob-ort/eager": ratio("ob-ort", "eager"),
+        "saved ob-ort/eager": saved["ob-ort"] / saved["eager"],
     }
 
 
@@ -146,12 +184,14 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    variants = ["eager", "raw", "ortbridge"]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.26
+    variants = ["eager", "raw", "ortbridge", "ob-ort"]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.2
     for i, v in enumerate(variants):
-        xs = [k + (i - 1) * width for k in range(len(results))]
-        ax.bar(xs, [r["ms"][v] / r["ms"]["eager"] for r in results], width, label=v)
+        xs = [k + (i - 1.5) * width for k, r in enumerate(results) if v in r["ms"]]
+        heights = [r["ms"][v] / r["ms"]["eager"] for r in results if v in r["ms"]]
+        if xs:
+            ax.bar(xs, heights, width, label=v)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(results)), [r["model"] for r in results])
     ax.set_ylabel("step time / torch eager")
@@ -174,14 +214,25 @@ def main(argv=None) -> int:
     for name in args.models:
         print(f"measuring {name} ...", flush=True)
         results.append(measure(name, device, args.rounds, args.steps))
-    header = f"{'model':12s} {'eager ms':>9s} {'raw ms':>9s} {'ortbridge':>9s} "
-    header += f"{'ob/raw':>7s} {'ob/eager':>8s} {'raw/eager':>9s}"
-    print(header)
+    columns = ["ortbridge/raw", "ortbridge/eager", "raw/eager", "ob-ort/ortbridge"]
+    columns += ["ob-ort/eager", "saved ob-ort/eager"]
+    header = f"{'model':12s} {'eager ms':>9s} {'raw ms':>9s} {'agent ms':>9s} {'ort ms':>9s} "
+    print(header + " ".join(f"{c:>18s}" for c in columns))
+
+    def cell(value, width=9):
+        return f"{value:{width}.3f}" if value is not None else f"{'-':>{width}s}"
+
     for r in results:
         ms = r["ms"]
+        line = f"{r['model']:12s} " + " ".join(
+            cell(ms.get(v)) for v in ("eager", "raw", "ortbridge", "ob-ort")
+        )
+        print(line + " " + " ".join(cell(r[c], 18) for c in columns))
+    for r in results:
+        kib = {k: v / 1024 for k, v in r["saved_bytes"].items()}
         print(
-            f"{r['model']:12s} {ms['eager']:9.3f} {ms['raw']:9.3f} {ms['ortbridge']:9.3f} "
-            f"{r['ortbridge/raw']:7.3f} {r['ortbridge/eager']:8.3f} {r['raw/eager']:9.3f}"
+            f"saved for backward {r['model']}: eager {kib['eager']:.0f} KiB, "
+            f"onnxruntime engine {kib['ob-ort']:.0f} KiB"
         )
     for r in results:
         losses = ", ".join(f"{k} {v:.5f}" for k, v in r["first_loss"].items())

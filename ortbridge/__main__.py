@@ -15,6 +15,12 @@ def main(argv=None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     inspect = sub.add_parser("inspect", help="what OnnxModule makes of an ONNX model")
     inspect.add_argument("model", help="path of an .onnx file")
+    inspect.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "training-agent", "onnxruntime"],
+        help="the engine to try (default: auto, as OnnxModule)",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from ._demo import run_demo
@@ -28,7 +34,7 @@ def main(argv=None) -> int:
     from .exceptions import OrtBridgeError
 
     try:
-        return 0 if inspect_model(args.model) else 1
+        return 0 if inspect_model(args.model, backend=args.backend) else 1
     except OrtBridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """State shared by an :class:`~ortbridge.OnnxModule` and its autograd Function.
 
-Holds the prepared graph and, per mode, device and set of tensors needing a
-gradient, the onnxruntime sessions built for it (built on first use, kept).
+Holds the prepared graph, the engine that differentiates it and, per mode,
+device and set of tensors needing a gradient, the gradient graph built for it
+(built on first use, kept).
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 import onnx
 import torch
 
-from . import _graph
-from ._runtime import GradientGraph, InferenceGraph, current_stream
-from .exceptions import NotDifferentiableError
+from . import _engines, _graph
+from ._runtime import InferenceGraph, current_stream
+from .exceptions import NotDifferentiableError, OnnxModelError
 
 
 class Bridge:
@@ -26,8 +27,15 @@ class Bridge:
         frozen_batch_norm: bool,
         providers=None,
         session_options=None,
+        backend: str = _engines.AUTO,
+        as_is: bool = False,
     ):
         self.model = model
+        #: The graph is used as it is, without train/eval variants (a reverse
+        #: model differentiated again for double backward).
+        self.as_is = as_is
+        self.backend = backend
+        self.engine, self.engine_reason = _engines.resolve(backend, model)
         self.input_names = list(input_names)
         self.weight_names = list(weight_names)
         self.feed_names = self.input_names + self.weight_names
@@ -43,42 +51,118 @@ class Bridge:
         self._inference_graphs: dict = {}
 
     def _variant(self, mode: str, for_gradient: bool):
+        if self.as_is:
+            copy = onnx.ModelProto()
+            copy.CopyFrom(self.model)
+            return copy, []
         model, extra = _graph.make_variant(
             self.model, mode, self.frozen_batch_norm, for_gradient=for_gradient
         )
         return _graph.weights_as_inputs(model, self.weight_names), extra
 
-    def gradient_graph(self, mode: str, needs_grad: tuple, device: torch.device) -> GradientGraph:
+    def gradient_graph(self, mode: str, needs_grad: tuple, device: torch.device):
+        """The engine's gradient graph for ``mode``, ``device`` and the tensors needing grad."""
         # Called on every forward: the key is built without extra calls.
         stream = current_stream(device) if device.type == "cuda" else None
         key = (mode, needs_grad if type(needs_grad) is tuple else tuple(needs_grad), device, stream)
         graph = self._gradient_graphs.get(key)
         if graph is None:
-            n_in = len(self.input_names)
-            model, _ = self._variant(mode, for_gradient=True)
-            inputs = [n for n, need in zip(self.input_names, needs_grad[:n_in]) if need]
-            while True:
-                try:
-                    graph = GradientGraph(
-                        model,
-                        self.weight_names,
-                        [n for n, need in zip(self.weight_names, needs_grad[n_in:]) if need],
-                        inputs,
-                        device,
-                        self.session_options,
-                        self.providers,
-                        batch_norm_nodes=self.batch_norms if mode == _graph.TRAIN else (),
-                        caller_order=self.feed_names,
-                    )
-                    break
-                except NotDifferentiableError as exc:
-                    # An input requiring grad that no gradient reaches gets
-                    # none, as in torch (its .grad stays None).
-                    if exc.unreachable not in inputs:
-                        raise
-                    inputs.remove(exc.unreachable)
+            graph = self._build(mode, key[1], device)
             self._gradient_graphs[key] = graph
         return graph
+
+    def _build(self, mode: str, needs_grad: tuple, device: torch.device):
+        model, _ = self._variant(mode, for_gradient=True)
+        n_in = len(self.input_names)
+        inputs = [n for n, need in zip(self.input_names, needs_grad[:n_in]) if need]
+        weights = [n for n, need in zip(self.weight_names, needs_grad[n_in:]) if need]
+        batch_norms = self.batch_norms if mode == _graph.TRAIN else ()
+        if self.engine == _engines.ONNXRUNTIME:
+            return _engines.graph_class(self.engine)(
+                model,
+                self.feed_names,
+                inputs + weights,
+                device,
+                self.session_options,
+                self.providers,
+                batch_norm_nodes=batch_norms,
+                n_inputs=n_in,
+            )
+        while True:
+            try:
+                return _engines.graph_class(self.engine)(
+                    model,
+                    self.weight_names,
+                    weights,
+                    inputs,
+                    device,
+                    self.session_options,
+                    self.providers,
+                    batch_norm_nodes=batch_norms,
+                    caller_order=self.feed_names,
+                )
+            except NotDifferentiableError as exc:
+                # An input requiring grad that no gradient reaches gets
+                # none, as in torch (its .grad stays None).
+                if exc.unreachable in inputs:
+                    inputs.remove(exc.unreachable)
+                    continue
+                if not self._fall_back(exc):
+                    raise
+            except OnnxModelError as exc:
+                if not self._fall_back(exc):
+                    raise
+            return self._build(mode, needs_grad, device)
+
+    def _fall_back(self, exc: Exception) -> bool:
+        """Under ``backend="auto"``, move to the onnxruntime engine after the builder fails."""
+        if self.backend != _engines.AUTO or getattr(exc, "unreachable", None):
+            return False
+        if not _engines.onnxruntime_engine_available():
+            return False
+        self.engine = _engines.ONNXRUNTIME
+        self.engine_reason = f"the training build's gradient builder failed: {exc}"
+        self._gradient_graphs.clear()
+        return True
+
+    def reverse_bridge(self, graph, tensors):
+        """A bridge over the whole reverse model of ``graph`` (for double backward).
+
+        Its inputs are the forward's feeds, the Dropout masks, then the
+        output gradients; its outputs the gradients ``graph.grad_slots`` lists.
+        Built once per gradient graph and input shape.
+        """
+        token = graph.static_built(tensors)
+        cached = getattr(token, "reverse_bridge", None)
+        if cached is None:
+            model = onnx.ModelProto()
+            model.CopyFrom(token.reverse)
+            live = [o.name for o in token.split.backward.graph.output]
+            outputs = {o.name: o for o in model.graph.output}
+            del model.graph.output[:]
+            model.graph.output.extend(outputs[name] for name in live)
+            names = [i.name for i in model.graph.input]
+            bridge = Bridge(
+                model,
+                names,
+                [],
+                frozen_batch_norm=True,
+                providers=self.providers,
+                session_options=self.session_options,
+                backend=_engines.ONNXRUNTIME,
+                as_is=True,
+            )
+            cached = token.reverse_bridge = (bridge, names)
+        return cached
+
+    def function_apply(self, *tensors):
+        """Run this bridge's graph through a generated autograd Function."""
+        function = self.__dict__.get("function")
+        if function is None:
+            from ._function import make_function
+
+            function = self.function = make_function(self.model.graph.name or "reverse")
+        return function.apply(self, _graph.EVAL, *tensors)
 
     def inference_graph(self, mode: str, device: torch.device) -> InferenceGraph:
         key = (mode, device, current_stream(device))

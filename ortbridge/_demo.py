@@ -51,7 +51,7 @@ def run_demo(
     except ImportError as exc:  # the demo's data ships with scikit-learn
         raise SystemExit("the demo needs scikit-learn: pip install scikit-learn") from exc
     from . import OnnxModule
-    from ._ort import onnxruntime
+    from ._ort import runtime as onnxruntime
 
     torch.manual_seed(seed)
     X, y = load_digits(return_X_y=True)

@@ -1,9 +1,14 @@
 """The ``torch.autograd.Function`` subclass generated for each ONNX graph.
 
-``forward`` runs onnxruntime's TrainingAgent up to the graph's ``YieldOp`` and
-keeps the execution state; ``backward`` resumes that state once and frees it.
-A second backward over the same graph (``retain_graph=True``) recomputes the
-forward from the saved inputs first.
+``forward`` runs the engine's forward and keeps what its backward needs:
+residual tensors in ``save_for_backward`` (onnxruntime engine) or the
+TrainingAgent's execution state (training-agent engine, consumed by the
+first backward; a second one, ``retain_graph=True``, runs the forward again).
+
+Under ``create_graph=True`` the backward itself is differentiable on the
+onnxruntime engine: it runs the whole reverse model (inputs and output
+gradients in, gradients out) through another generated Function, whose own
+backward is the reverse of the reverse model.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from .exceptions import OrtBridgeError
 
 
 def make_function(graph_name: str) -> type[torch.autograd.Function]:
@@ -36,18 +43,17 @@ def _forward(ctx, bridge, mode, *tensors):
     # each Python line costs several times its tight-loop price.
     ctx.set_materialize_grads(False)
     graph = bridge.gradient_graph(mode, ctx.needs_input_grad[2:], tensors[0].device)
-    outputs, state = graph.forward(tensors)
+    outputs, residuals, token = graph.forward(tensors)
     n_user = graph.n_user_outputs
     if len(outputs) > n_user:
         bridge.update_running_stats(tensors, outputs[n_user:])
         outputs = outputs[:n_user]
-    ctx.bridge, ctx.graph, ctx.state = bridge, graph, state
+    ctx.bridge, ctx.graph, ctx.token = bridge, graph, token
     ctx.output_meta = [(o.shape, o.dtype, o.device) for o in outputs]
     integers = [o for o in outputs if not o.is_floating_point()]
     if integers:
         ctx.mark_non_differentiable(*integers)
-    # Inputs are saved for a recomputation (second backward); running
-    # statistics are updated in place right above, so they are kept unsaved.
+    # Running statistics are updated in place right above: kept unsaved.
     volatile = bridge.running_stat_positions
     if volatile:
         ctx.volatile = {i: tensors[i] for i in volatile}
@@ -55,34 +61,63 @@ def _forward(ctx, bridge, mode, *tensors):
     else:
         ctx.volatile, kept = None, tensors
     # Outputs the backward pass reads are saved so that torch's version
-    # counter catches an in-place change (they share memory with onnxruntime).
-    ctx.save_for_backward(*kept, *[outputs[i] for i in graph.save_for_backward])
-    ctx.n_kept = len(kept)
+    # counter catches an in-place change.
+    ctx.save_for_backward(*kept, *[outputs[i] for i in graph.save_outputs], *residuals)
+    ctx.n_kept, ctx.n_saved_outputs = len(kept), len(graph.save_outputs)
     return tuple(outputs)
 
 
 def _backward(ctx, *grad_outputs):
     saved = ctx.saved_tensors
-    graph, state = ctx.graph, ctx.state
-    if state is None:
-        # The first backward consumed the state: run the forward again.
-        tensors = list(saved[: ctx.n_kept])
-        for i in sorted(ctx.volatile or ()):
-            tensors.insert(i, ctx.volatile[i])
-        _, state = graph.forward(tensors)
-    ctx.state = None  # the state holds every activation: free it with this backward
+    graph = ctx.graph
+    tensors = list(saved[: ctx.n_kept])
+    for i in sorted(ctx.volatile or ()):
+        tensors.insert(i, ctx.volatile[i])
+    n_out = ctx.n_saved_outputs
+    saved_outputs = dict(zip(graph.save_outputs, saved[ctx.n_kept : ctx.n_kept + n_out]))
+    residuals = saved[ctx.n_kept + n_out :]
     feeds = []
     for idx, grad in enumerate(grad_outputs[: graph.n_user_outputs]):
         if idx in graph.non_differentiable:
+            feeds.append(None)
             continue
         if grad is None:
             shape, dtype, device = ctx.output_meta[idx]
             grad = torch.zeros(shape if idx in graph.full_shape else (), dtype=dtype, device=device)
         feeds.append(grad.contiguous())
-    grads = graph.backward(feeds, state)
-    del state
+    if torch.is_grad_enabled():
+        grads = _differentiable_backward(ctx, graph, tensors, feeds, residuals)
+    else:
+        token = ctx.token
+        if not graph.saves_tensors:
+            ctx.token = None  # the state holds every activation: free it with this backward
+        grads = graph.backward(
+            [f for f in feeds if f is not None] if not graph.saves_tensors else feeds,
+            token,
+            residuals,
+            tensors,
+            saved_outputs,
+        )
     # (bridge, mode, *tensors): one slot per argument of forward.
     result = [None] * (2 + len(ctx.bridge.feed_names))
     for slot, grad in zip(graph.grad_slots, grads):
         result[2 + slot] = grad
     return tuple(result)
+
+
+def _differentiable_backward(ctx, graph, tensors, feeds, residuals):
+    """The backward as a differentiable function of the inputs (``create_graph=True``)."""
+    if not graph.saves_tensors:
+        raise OrtBridgeError(
+            "double backward (create_graph=True) through an ONNX layer is not supported by "
+            "the training-agent engine: its gradient graph is not differentiable and the "
+            "second-order term would be lost; build the module with backend='onnxruntime'"
+        )
+    reverse_bridge, order = ctx.bridge.reverse_bridge(graph, tensors)
+    n_masks = len(ctx.token.masks)
+    values = dict(zip(ctx.bridge.feed_names, tensors))
+    values.update(zip(ctx.token.mask_names, residuals[:n_masks]))
+    seeds = [feeds[i].unsqueeze(-1) for i in ctx.token.seed_index]
+    args = [values[name] for name in order[: len(order) - len(seeds)]] + seeds
+    grads = reverse_bridge.function_apply(*args)
+    return [g.squeeze(-1) for g in grads]

@@ -176,9 +176,12 @@ def summarize(model: onnx.ModelProto) -> GraphSummary:
     )
 
 
-def _infer(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, tuple]]:
+def _infer(model: onnx.ModelProto, symbolic: bool = False) -> tuple[dict[str, int], dict]:
     """Element type and shape (ints, None for unknown dimensions) of every named
-    tensor that onnx's shape inference can type, in one inference pass."""
+    tensor that onnx's shape inference can type, in one inference pass.
+
+    ``symbolic``: a symbolic dimension is given by its name, not None.
+    """
     try:
         inferred = onnx.shape_inference.infer_shapes(model)
     except Exception:  # a graph shape inference cannot handle still runs
@@ -192,8 +195,13 @@ def _infer(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, tuple]]:
             types[vi.name] = tensor_type.elem_type
         if tensor_type.HasField("shape"):
             shapes[vi.name] = tuple(
-                d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim
+                d.dim_value
+                if d.HasField("dim_value")
+                else ((d.dim_param or None) if symbolic else None)
+                for d in tensor_type.shape.dim
             )
+    for init in graph.initializer:
+        shapes.setdefault(init.name, tuple(init.dims))
     return types, shapes
 
 

@@ -8,8 +8,8 @@ from . import _graph
 from .exceptions import OrtBridgeError
 
 
-def inspect_model(path: str, out=None) -> bool:
-    """Print inputs, outputs, initializers and gradient support; True if it can train."""
+def inspect_model(path: str, out=None, backend: str = "auto") -> bool:
+    """Print inputs, outputs, initializers, the engine and whether it trains (True if so)."""
     out = out if out is not None else sys.stdout
     from .module import OnnxModule
 
@@ -27,12 +27,14 @@ def inspect_model(path: str, out=None) -> bool:
     for spec in summary.outputs:
         print(f"  {spec.name}: {spec.dtype} {_shape(spec.shape)}", file=out)
     try:
-        module = OnnxModule(model)
+        module = OnnxModule(model, backend=backend)
         trainable = {name for name, _ in module.named_onnx_parameters()}
         verdict, ok = "a gradient graph can be built", True
+        engine = f"{module.backend} ({module.backend_reason})"
     except OrtBridgeError as exc:
         trainable = summary.differentiable_initializers
         verdict, ok = f"no gradient graph: {exc}", False
+        engine = f"none that trains it (backend={backend!r})"
     print(f"float initializers ({len(summary.float_initializers)}):", file=out)
     total = 0
     for name, array in summary.float_initializers.items():
@@ -46,6 +48,7 @@ def inspect_model(path: str, out=None) -> bool:
     print(
         f"  ({total:,} values in all; {n_other} non-float initializers kept as constants)", file=out
     )
+    print(f"engine: {engine}", file=out)
     print(f"training: {verdict}", file=out)
     return ok
 

@@ -10,7 +10,7 @@ import onnx
 import torch
 from torch import nn
 
-from . import _graph
+from . import _engines, _graph
 from ._bridge import Bridge
 from ._function import make_function
 from .exceptions import NotDifferentiableError, OnnxInputError, OnnxTypeError, OrtBridgeError
@@ -21,8 +21,8 @@ _BATCH_NORM_MODES = ("track", "frozen")
 class OnnxModule(nn.Module):
     """An ONNX graph as a ``torch.nn.Module`` whose weights torch trains.
 
-    Forward and backward run in onnxruntime-training (its ``TrainingAgent``),
-    tensors are shared with torch through DLPack. Float initializers become
+    Forward and backward run in onnxruntime, by one of two engines (see
+    ``backend``); tensors are shared with torch through DLPack. Float initializers become
     ``nn.Parameter`` (trainable) or buffers (frozen), named after the
     initializer (``"fc.weight"`` becomes submodule ``fc``, parameter
     ``weight``, so a state dict of the torch model the graph was exported
@@ -48,6 +48,15 @@ class OnnxModule(nn.Module):
         statistics and running-statistics updates in train mode. ``"frozen"``
         uses the running statistics in train mode too (affine weights still
         train).
+    backend : {"auto", "training-agent", "onnxruntime"}
+        The engine that computes gradients. ``"training-agent"``:
+        onnxruntime-training 1.19.2's gradient builder and TrainingAgent.
+        ``"onnxruntime"``: gradient graphs ortbridge builds from standard ops
+        (onnx-ad's reverse mode), run as two inference sessions by any
+        onnxruntime; it differentiates more operators and supports double
+        backward. ``"auto"`` (default): the training agent where the training
+        build is installed and differentiates the graph correctly, the
+        onnxruntime engine otherwise. :attr:`backend` tells which runs.
 
     Examples
     --------
@@ -68,8 +77,13 @@ class OnnxModule(nn.Module):
         providers=None,
         session_options=None,
         batch_norm: str = "track",
+        backend: str = "auto",
     ):
         super().__init__()
+        if backend not in _engines.BACKENDS:
+            raise OnnxInputError(
+                f"backend must be one of {list(_engines.BACKENDS)}, got {backend!r}"
+            )
         if batch_norm not in _BATCH_NORM_MODES:
             raise OnnxInputError(
                 f"batch_norm must be one of {_BATCH_NORM_MODES}, got {batch_norm!r}"
@@ -82,6 +96,7 @@ class OnnxModule(nn.Module):
         self._batch_norm = batch_norm
         self._providers = providers
         self._session_options = session_options
+        self._backend = backend
         chosen = _choose_trainable(trainable, summary)
         self._onnx_names: dict[str, tuple[str, ...]] = {}
         for name, array in summary.float_initializers.items():
@@ -123,6 +138,7 @@ class OnnxModule(nn.Module):
             frozen_batch_norm=self._batch_norm == "frozen",
             providers=self._providers,
             session_options=self._session_options,
+            backend=self.__dict__.get("_backend", "auto"),
         )
         self.function = make_function(self._summary.name)
 
@@ -156,6 +172,21 @@ class OnnxModule(nn.Module):
         return owner
 
     # -- public API ----------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        """The engine that differentiates the graph: ``"training-agent"`` or ``"onnxruntime"``.
+
+        Under ``backend="auto"`` it may change once, from the training agent to
+        the onnxruntime engine, when the training build's gradient builder
+        fails on a gradient graph first built at a forward.
+        """
+        return self._bridge.engine
+
+    @property
+    def backend_reason(self) -> str:
+        """Why :attr:`backend` runs the graph, in words."""
+        return self._bridge.engine_reason
 
     @property
     def input_names(self) -> list[str]:

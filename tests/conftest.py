@@ -1,4 +1,11 @@
-"""Shared fixtures: seeding, torch -> ONNX export, and comparison helpers."""
+"""Shared fixtures: seeding, engines, torch -> ONNX export, and comparison helpers.
+
+A test (or a module, through ``pytestmark = pytest.mark.usefixtures("backend")``)
+that uses the ``backend`` fixture runs once per engine installed here, with
+``OnnxModule``'s default ``backend`` set to it; ``@pytest.mark.engines(...)``
+restricts it to the engines named. ``requires_training_build`` marks what
+still needs onnxruntime-training (``ortbridge.training``).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,42 @@ import numpy as np
 import pytest
 import torch
 
-from ortbridge import OnnxModule
+from ortbridge import OnnxModule, _engines, _ort
+
+#: Engines this environment runs: the training agent only with the training build.
+ENGINES = [
+    name
+    for name, available in (
+        (_engines.TRAINING_AGENT, _ort.has_training()),
+        (_engines.ONNXRUNTIME, _engines.onnxruntime_engine_available()),
+    )
+    if available
+]
+
+requires_training_build = pytest.mark.skipif(
+    not _ort.has_training(), reason="needs onnxruntime-training (ortbridge.training)"
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "engines(*names): run only on the engines named")
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("engines")
+        names = [e for e in ENGINES if marker is None or e in marker.args]
+        metafunc.parametrize("backend", names, indirect=True)
+
+
+@pytest.fixture
+def backend(request):
+    """The engine under test, made ``OnnxModule``'s default for the test's duration."""
+    defaults = OnnxModule.__init__.__kwdefaults__
+    previous = defaults["backend"]
+    defaults["backend"] = request.param
+    yield request.param
+    defaults["backend"] = previous
 
 
 @pytest.fixture(autouse=True)

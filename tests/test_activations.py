@@ -12,6 +12,9 @@ from torch import nn
 from ortbridge import OnnxModule
 from ortbridge._activations import OPS
 
+# Every test here runs on each engine installed (see conftest).
+pytestmark = pytest.mark.usefixtures("backend")
+
 ACTIVATIONS = {
     "Elu": lambda: nn.ELU(alpha=0.7),
     "Celu": lambda: nn.CELU(alpha=1.3),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import onnx
+import pytest
 import torch
 from test_errors import _mod_model
 
@@ -41,12 +42,25 @@ def test_inspect_trainable_model(tmp_path, capsys):
     assert "a gradient graph can be built" in text
 
 
-def test_inspect_names_blocking_node(tmp_path, capsys):
+@pytest.mark.engines("training-agent")
+def test_inspect_names_blocking_node(tmp_path, capsys, backend):
     path = tmp_path / "mod.onnx"
     onnx.save(_mod_model(), str(path))
-    assert main(["inspect", str(path)]) == 1
+    assert main(["inspect", str(path), "--backend", backend]) == 1
     text = capsys.readouterr().out
     assert "no gradient graph" in text and "'wrap_around' (op type Mod)" in text
+
+
+@pytest.mark.engines("onnxruntime")
+def test_inspect_says_which_engine_trains_and_why(tmp_path, capsys, backend):
+    # The training build has no gradient for Mod; the onnxruntime engine has one,
+    # so "auto" trains it there, in either environment.
+    path = tmp_path / "mod.onnx"
+    onnx.save(_mod_model(), str(path))
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "engine: onnxruntime (" in text
+    assert "training: a gradient graph can be built" in text
 
 
 def test_inspect_missing_file(tmp_path, capsys):

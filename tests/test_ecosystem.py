@@ -19,6 +19,9 @@ from torch import nn
 from ortbridge import OnnxModule
 from ortbridge.exceptions import OrtBridgeError
 
+# Every test here runs on each engine installed (see conftest).
+pytestmark = pytest.mark.usefixtures("backend")
+
 
 def make_mlp(seed=0):
     torch.manual_seed(seed)

@@ -6,7 +6,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import export
+from conftest import export, requires_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from ortbridge import OnnxModule
@@ -14,6 +14,8 @@ from ortbridge._onnx_utils import make_model
 from ortbridge.exceptions import TrainingDivergedError
 from ortbridge.training import OnnxSGDClassifier, OnnxSGDRegressor
 from ortbridge.training._epoch_graph import EpochGraph
+
+pytestmark = requires_training_build
 
 
 def mlp_model(dtype=np.float32, n_in=5, hidden=7, n_out=1, seed=0):

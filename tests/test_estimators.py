@@ -12,6 +12,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import sklearn.exceptions
+from conftest import requires_training_build
 from skl2onnx import to_onnx
 from sklearn.base import clone
 from sklearn.metrics import accuracy_score, r2_score
@@ -22,6 +23,8 @@ from ortbridge._examples import linear_model
 from ortbridge.exceptions import OnnxInputError, OrtBridgeError, TrainingDivergedError
 from ortbridge.training import OnnxSGDClassifier, OnnxSGDRegressor
 from ortbridge.training._estimators import NotFittedError
+
+pytestmark = requires_training_build
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,9 @@ from ortbridge import OnnxModule
 from ortbridge._examples import linear_model
 from ortbridge._onnx_utils import make_model
 
+# Every test here runs on each engine installed (see conftest).
+pytestmark = pytest.mark.usefixtures("backend")
+
 CPU = torch.device("cpu")
 
 
@@ -48,6 +51,7 @@ def _torch_mlp(layer):
     return run, {"w1": w1, "b1": b1, "w2": w2}
 
 
+@pytest.mark.engines("training-agent")  # its execution state; see test_engine_onnxruntime
 def test_input_without_grad_gets_no_input_gradient():
     layer = OnnxModule(_mlp_model())
     layer(torch.randn(4, 8)).sum().backward()
@@ -66,19 +70,20 @@ def test_input_without_grad_gets_no_input_gradient():
     assert len(with_input[0].gradient_model.graph.node) > len(graph.gradient_model.graph.node)
 
 
+@pytest.mark.engines("training-agent")  # its execution state; see test_engine_onnxruntime
 def test_interleaved_forwards_and_backwards():
     layer = OnnxModule(_mlp_model())
     ref, params = _torch_mlp(layer)
     x1, x2 = torch.randn(5, 8), torch.randn(3, 8)
     y1, y2 = layer(x1), layer(x2)
-    assert y1.grad_fn.state is not None and y2.grad_fn.state is not None
+    assert y1.grad_fn.token is not None and y2.grad_fn.token is not None
     (y2**2).sum().backward()
-    assert y2.grad_fn.state is None  # freed as soon as its backward ends
-    assert y1.grad_fn.state is not None
+    assert y2.grad_fn.token is None  # freed as soon as its backward ends
+    assert y1.grad_fn.token is not None
     g2 = {n: p.grad.clone() for n, p in layer.named_onnx_parameters()}
     layer.zero_grad()
     (y1**3).sum().backward()
-    assert y1.grad_fn.state is None
+    assert y1.grad_fn.token is None
     g1 = {n: p.grad.clone() for n, p in layer.named_onnx_parameters()}
     (ref(x2) ** 2).sum().backward()
     for name, p in params.items():
@@ -89,6 +94,7 @@ def test_interleaved_forwards_and_backwards():
         torch.testing.assert_close(g1[name], p.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.engines("training-agent")  # its execution state; see test_engine_onnxruntime
 def test_second_backward_with_retain_graph_recomputes():
     layer = OnnxModule(_mlp_model())
     x = torch.randn(4, 8, requires_grad=True)
@@ -210,6 +216,7 @@ def test_dynamic_batch_without_rebuilding():
     assert len(layer._bridge._inference_graphs) == 1
 
 
+@pytest.mark.engines("training-agent")  # its execution state; see test_engine_onnxruntime
 def test_in_place_change_of_saved_output_raises():
     layer = OnnxModule(_mlp_model())
     x = torch.randn(4, 8)
@@ -218,11 +225,11 @@ def test_in_place_change_of_saved_output_raises():
     # graph ending in Tanh.
     tanh = OnnxModule(_tanh_model())
     y = tanh(torch.randn(4, 3, requires_grad=True))
-    assert tanh._bridge.gradient_graph("train", [True, True], CPU).save_for_backward == [0]
+    assert tanh._bridge.gradient_graph("train", [True, True], CPU).save_outputs == [0]
     y.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
-    assert graph.save_for_backward == []
+    assert graph.save_outputs == []
     out = layer(x)
     out.mul_(2)  # not needed by backward: allowed, as in torch
     out.sum().backward()
@@ -244,9 +251,9 @@ def test_default_session_options_share_cores_with_torch():
     layer(torch.randn(2, 3)).sum().backward()
     with torch.no_grad():
         layer(torch.randn(2, 3))
-    sessions = [g.session for g in layer._bridge._gradient_graphs.values()]
-    sessions += [g.session for g in layer._bridge._inference_graphs.values()]
-    assert len(sessions) == 2
+    graphs = [*layer._bridge._gradient_graphs.values(), *layer._bridge._inference_graphs.values()]
+    sessions = [s for g in graphs for s in g.sessions]
+    assert len(graphs) == 2
     for session in sessions:
         options = session.get_session_options()
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
@@ -260,9 +267,10 @@ def test_session_options_can_be_overridden():
     layer = OnnxModule(linear_model(3, 2), session_options=options)
     layer(torch.randn(2, 3)).sum().backward()
     (graph,) = layer._bridge._gradient_graphs.values()
-    used = graph.session.get_session_options()
-    assert used.intra_op_num_threads == 1
-    assert used.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    for session in graph.sessions:
+        used = session.get_session_options()
+        assert used.intra_op_num_threads == 1
+        assert used.get_session_config_entry("session.intra_op.allow_spinning") == "1"
 
 
 def test_input_requiring_grad_that_no_gradient_reaches():

@@ -11,6 +11,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import requires_training_build
 from sklearn.linear_model import SGDRegressor
 from sklearn.neural_network._stochastic_optimizers import SGDOptimizer
 
@@ -154,6 +155,7 @@ def test_penalty_value_and_gradient(l1_ratio):
 
 @pytest.mark.parametrize("l1_ratio", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
+@requires_training_build
 def test_penalty_in_update_graph(l1_ratio, momentum):
     """SklearnSGD adds the penalty divided by the batch, times the learning rate."""
     gen = torch.Generator().manual_seed(2)
@@ -242,6 +244,7 @@ def test_schedule_optimal_matches_sgdregressor():
     [(0.0, False), (0.9, False), (0.9, True)],
     ids=["plain", "momentum", "nesterov"],
 )
+@requires_training_build
 def test_updates_match_sklearn_optimizer(momentum, nesterov):
     """SklearnSGD (ORT graph) == numpy reference == scikit-learn's SGDOptimizer, 20 steps."""
     rng = np.random.default_rng(3)

@@ -11,6 +11,7 @@ import onnx
 import onnxruntime
 import pytest
 import torch
+from conftest import requires_training_build
 from onnx import numpy_helper
 
 import ortbridge.training._full_graph as full_graph
@@ -23,6 +24,8 @@ from ortbridge.exceptions import (
     TrainingDivergedError,
 )
 from ortbridge.training import OrtFullGraphTrainer
+
+pytestmark = requires_training_build
 
 N_IN, N_OUT, N_ROWS, BATCH = 4, 2, 50, 10  # 5 steps an epoch, 20 steps in 4 epochs
 

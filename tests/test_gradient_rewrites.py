@@ -9,7 +9,7 @@ import onnx
 import onnxruntime
 import pytest
 import torch
-from conftest import compare_with_torch, export
+from conftest import compare_with_torch, export, requires_training_build
 from onnx import TensorProto, helper
 from torch import nn
 
@@ -18,6 +18,8 @@ from ortbridge._gradient_rewrites import rewrite_gradient
 from ortbridge._onnx_utils import make_model
 from ortbridge.exceptions import OnnxModelError
 from ortbridge.training._gradient import gradient_model
+
+pytestmark = requires_training_build
 
 
 def _op_types(model: onnx.ModelProto) -> collections.Counter:

@@ -13,6 +13,9 @@ from torch import nn
 from ortbridge import OnnxModule
 from ortbridge._onnx_utils import make_model
 
+# Every test here runs on each engine installed (see conftest).
+pytestmark = pytest.mark.usefixtures("backend")
+
 
 def test_mlp():
     model = nn.Sequential(

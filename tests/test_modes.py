@@ -11,6 +11,9 @@ from torch import nn
 
 from ortbridge import OnnxModule
 
+# Every test here runs on each engine installed (see conftest).
+pytestmark = pytest.mark.usefixtures("backend")
+
 P = 0.4
 
 

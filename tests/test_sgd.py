@@ -8,12 +8,15 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from conftest import requires_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from ortbridge import OnnxModule
 from ortbridge._onnx_utils import make_model
 from ortbridge.exceptions import OnnxInputError, OnnxTypeError
 from ortbridge.training import OrtSGD, _sgd
+
+pytestmark = requires_training_build
 
 HYPER = {
     "plain": {},

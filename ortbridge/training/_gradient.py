@@ -26,7 +26,7 @@ def gradient_model(model: onnx.ModelProto, loss: str, trainable: list[str], sess
     and the weights' gradients stay float64), then ``<weight>_grad`` of each
     weight.
     """
-    C = _ort.capi()
+    C = _ort.onnxruntime().capi._pybind_state
     forward = onnx.ModelProto()
     forward.CopyFrom(model)
     graph = forward.graph

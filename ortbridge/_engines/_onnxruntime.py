@@ -1,0 +1,364 @@
+"""The onnxruntime engine: gradient graphs ortbridge owns, run by maintained onnxruntime.
+
+ortbridge's prepared graph (weights as inputs, train/eval variant) goes
+through onnx-ad's standard-op reverse mode, and :mod:`._split` cuts the
+result in two graphs, each a plain ``InferenceSession``: the forward returns
+the outputs and the residuals the backward reads; the backward takes those,
+the inputs it reads and the output gradients. The residuals live in torch's
+autograd context, so several forwards in flight, ``retain_graph=True`` and
+freeing after backward behave as in torch. Nothing here needs the training
+build: any onnxruntime runs these graphs.
+
+Graphs are built per input shape only where onnx-ad needs declared shapes
+(Conv, Slice, the RNN lowering, ...) or a Dropout mask's shape cannot be
+read from the inputs': a dynamic batch then costs one build per new shape.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import onnx
+import torch
+
+from .. import _ort
+from .._runtime import _session, from_ortvalues, ort_device, to_ortvalues
+from ..exceptions import MissingDependencyError, NotDifferentiableError, OrtBridgeError
+from . import _split, _train_ops
+
+NAME = "onnxruntime"
+
+_SEED_AXIS = "nadj"
+
+
+def onnx_ad():
+    """The ``onnx_ad`` module, imported on first use (only this engine needs it)."""
+    try:
+        return importlib.import_module("onnx_ad")
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "the onnxruntime engine needs onnx-ad: `pip install onnx-ad==0.3.0` "
+            "(a dependency of ortbridge; reinstall it with `pip install ortbridge[ort]`)"
+        ) from exc
+
+
+class OrtGradientGraph:
+    """Forward and backward sessions for one mode, device and set of gradients.
+
+    Dispatches to one :class:`_Built` pair of graphs, or one per input shape
+    where the graph needs static shapes to be differentiated.
+    """
+
+    engine = NAME
+    saves_tensors = True
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        feed_names: list[str],
+        targets: list[str],
+        device: torch.device,
+        session_options=None,
+        providers=None,
+        batch_norm_nodes=(),
+        n_inputs: int | None = None,
+    ):
+        self._args = (model, feed_names, targets, device, session_options, providers)
+        self._batch_norms = list(batch_norm_nodes)
+        self.n_inputs = len(feed_names) if n_inputs is None else n_inputs
+        self._by_shape: dict = {}
+        try:
+            self._built = first = _Built(*self._args, self._batch_norms)
+        except _NeedsStaticShapes:
+            self._built = None
+            # Checks now that the graph can be differentiated at all, on a
+            # stand-in shape (dynamic dimensions as 2); real shapes are built on use.
+            shapes = _stand_in_shapes(model, self.n_inputs)
+            first = _Built(*self._args, self._batch_norms, static=shapes)
+            self._by_shape[shapes] = first
+        self.n_user_outputs = first.n_user_outputs
+        self.non_differentiable = first.non_differentiable
+        self.full_shape = set(range(self.n_user_outputs))
+        self.save_outputs = first.save_outputs
+        self.grad_slots = first.grad_slots
+
+    @property
+    def sessions(self) -> list:
+        """The onnxruntime sessions built so far (forward and backward, per shape)."""
+        built = [self._built] if self._built is not None else list(self._by_shape.values())
+        return [s for b in built for s in (b.fw_session, b.bw_session)]
+
+    @property
+    def pinnings(self) -> list:
+        """The pinning of each session's workers (None: left to the system)."""
+        built = [self._built] if self._built is not None else list(self._by_shape.values())
+        return [p for b in built for p in (b.fw_pinning, b.bw_pinning)]
+
+    def forward(self, tensors):
+        """Outputs (user outputs, then new running statistics), residuals, and a token."""
+        built = self._built if self._built is not None else self.static_built(tensors)
+        outputs, residuals = built.forward(tensors)
+        return outputs, residuals, built
+
+    def backward(self, grad_outputs, token, residuals, tensors, saved_outputs):
+        """Gradients, one per :attr:`grad_slots` (None where no gradient reaches)."""
+        return token.backward(grad_outputs, residuals, tensors, saved_outputs)
+
+    def static_built(self, tensors) -> _Built:
+        """The graphs built for the shapes of ``tensors`` (double backward needs them).
+
+        A reverse model built for dynamic shapes computes its broadcasting axes
+        at run time, and onnx-ad differentiates reductions over constant axes
+        only: the reverse model that is differentiated again is built for
+        static shapes.
+        """
+        key = tuple(tuple(t.shape) for t in tensors[: self.n_inputs])
+        built = self._by_shape.get(key)
+        if built is None:
+            built = _Built(*self._args, self._batch_norms, static=key)
+            self._by_shape[key] = built
+        return built
+
+
+class _NeedsStaticShapes(Exception):
+    pass
+
+
+def _stand_in_shapes(model, n_inputs):
+    shapes = []
+    for vi in list(model.graph.input)[:n_inputs]:
+        dims = vi.type.tensor_type.shape.dim
+        shapes.append(tuple(d.dim_value if d.HasField("dim_value") else 2 for d in dims))
+    return tuple(shapes)
+
+
+def _set_static(model: onnx.ModelProto, shapes) -> None:
+    for vi, shape in zip(model.graph.input, shapes):
+        dims = vi.type.tensor_type.shape.dim
+        del dims[:]
+        for size in shape:
+            dims.add().dim_value = size
+
+
+def _declare_outputs(model: onnx.ModelProto) -> None:
+    """Give the graph outputs the shapes onnx infers: onnx-ad seeds need them."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        return
+    known = {vi.name: vi for vi in list(inferred.graph.value_info) + list(inferred.graph.output)}
+    for out in model.graph.output:
+        vi = known.get(out.name)
+        if vi is not None and vi.type.tensor_type.HasField("shape"):
+            if not out.type.tensor_type.HasField("shape") or not out.type.tensor_type.elem_type:
+                out.type.CopyFrom(vi.type)
+
+
+_STATIC_HINT = re.compile(r"declared|static", re.IGNORECASE)
+
+
+def _not_differentiable(exc: Exception, model: onnx.ModelProto) -> NotDifferentiableError:
+    text = str(exc)
+    named = re.search(r"for (\w+) \(node '([^']*)'\)", text)
+    if named:
+        op_type, node = named.groups()
+    else:
+        op_type = text.split()[0] if text else "?"
+        node = next((n.name for n in model.graph.node if n.op_type == op_type), "?")
+    return NotDifferentiableError(
+        f"the onnxruntime engine cannot differentiate node {node!r} (op type {op_type}): {text}"
+    )
+
+
+class _Built:
+    """One forward graph and one backward graph, with their sessions."""
+
+    def __init__(
+        self,
+        model,
+        feed_names,
+        targets,
+        device,
+        session_options,
+        providers,
+        batch_norms,
+        static=None,
+    ):
+        ad = onnx_ad()
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        if static is not None:
+            _set_static(m, static)
+        n_user = len(m.graph.output)
+        stat_outputs, self.masks = _train_ops.lower_training_nodes(m, batch_norms)
+        _prepare(m)
+        _declare_outputs(m)
+        if static is None and any(
+            mask.shape is None or any(d is None for d in mask.shape) for mask in self.masks
+        ):
+            raise _NeedsStaticShapes
+        user_outputs = [o.name for o in m.graph.output][:n_user]
+        float_types = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
+        out_types = {o.name: o.type.tensor_type.elem_type for o in m.graph.output}
+        seeded = [n for n in user_outputs if out_types.get(n) in float_types]
+        self.n_user_outputs = n_user
+        self.non_differentiable = {i for i, n in enumerate(user_outputs) if n not in seeded}
+        n_graph_inputs = len(m.graph.input)
+        try:
+            reverse = ad.reverse(m, inputs=list(targets), outputs=seeded, layout="onnx")
+        except ad.UnsupportedOperator as exc:
+            if static is None and _STATIC_HINT.search(str(exc)):
+                raise _NeedsStaticShapes from exc
+            raise _not_differentiable(exc, m) from exc
+        except Exception as exc:
+            raise _not_differentiable(exc, m) from exc
+        seeds = [i.name for i in reverse.graph.input][n_graph_inputs:]
+        adjoints = [o.name for o in reverse.graph.output][len(m.graph.output) :]
+        _fix_seed_axis(reverse)
+        self.reverse = reverse
+        self.reverse_inputs = [i.name for i in reverse.graph.input]
+        primal_outputs = user_outputs + stat_outputs
+        parts = _split.split(reverse, primal_outputs, seeds, adjoints)
+        live = set(adjoints) - set(parts.zero_adjoints)
+        position = {n: i for i, n in enumerate(feed_names)}
+        self.grad_slots = [position[t] for t, a in zip(targets, adjoints) if a in live]
+        # Forward feeds: the caller's tensors, then the masks drawn here.
+        self.mask_names = [mask.name for mask in self.masks]
+        self.dim_sources = _dim_sources(m, len(feed_names))
+        fw_outputs = [o.name for o in parts.forward.graph.output]
+        self.n_primal = len(primal_outputs)
+        # Where each backward feed comes from: ("in", caller position),
+        # ("mask", k), ("out", user output index) or ("res", residual index).
+        sources = {n: ("in", i) for i, n in enumerate(feed_names)}
+        sources.update({n: ("mask", k) for k, n in enumerate(self.mask_names)})
+        sources.update({n: ("out", i) for i, n in enumerate(primal_outputs)})
+        extra = fw_outputs[self.n_primal :]
+        sources.update({n: ("res", k) for k, n in enumerate(extra)})
+        self.save_outputs = sorted(
+            {sources[n][1] for n in parts.residuals if sources[n][0] == "out"}
+        )
+        self.bw_sources = [sources[n] for n in parts.backward_inputs + parts.residuals]
+        self.n_seeds = len(seeds)
+        self.seed_index = [user_outputs.index(n) for n in seeded]
+        self.device = device
+        self.fw_inputs = list(feed_names) + self.mask_names
+        self.fw_outputs = fw_outputs
+        self.bw_inputs = [i.name for i in parts.backward.graph.input]
+        self.bw_outputs = [o.name for o in parts.backward.graph.output]
+        self.fw_session, self.fw_pinning = _session(
+            parts.forward, device, session_options, providers
+        )
+        self.bw_session, self.bw_pinning = _session(
+            parts.backward, device, session_options, providers
+        )
+        self.split = parts
+        dev = ort_device(device)
+        self._fw_devices = [dev] * len(self.fw_outputs)
+        self._bw_devices = [dev] * len(self.bw_outputs)
+        self._run_options = _ort.runtime().RunOptions()
+        self._capi = _ort.capi()
+
+    def _run(self, session, pinning, names, tensors, out_names, devices, where):
+        if pinning is not None:
+            pinning.follow()
+        outputs = self._capi.OrtValueVector()
+        try:
+            session._sess.run_with_ortvaluevector(
+                self._run_options, names, to_ortvalues(tensors), out_names, outputs, devices
+            )
+        except Exception as exc:
+            raise OrtBridgeError(f"onnxruntime failed in the {where} pass: {exc}") from exc
+        return from_ortvalues(outputs)
+
+    def _draw_masks(self, tensors):
+        masks = []
+        for mask in self.masks:
+            shape = [d if isinstance(d, int) else self._dim(d, tensors) for d in mask.shape]
+            dtype = _TORCH_FLOATS.get(mask.elem, torch.float32)
+            keep = 1.0 - mask.ratio
+            drawn = torch.empty(shape, dtype=dtype, device=self.device).bernoulli_(keep)
+            masks.append(drawn.div_(keep))
+        return masks
+
+    def _dim(self, name, tensors):
+        try:
+            pos, axis = self.dim_sources[name]
+        except KeyError:
+            raise OrtBridgeError(f"dimension {name!r} of a Dropout mask is unknown") from None
+        return tensors[pos].shape[axis]
+
+    def forward(self, tensors):
+        masks = self._draw_masks(tensors) if self.masks else []
+        outs = self._run(
+            self.fw_session,
+            self.fw_pinning,
+            self.fw_inputs,
+            list(tensors) + masks,
+            self.fw_outputs,
+            self._fw_devices,
+            "forward",
+        )
+        return outs[: self.n_primal], masks + outs[self.n_primal :]
+
+    def backward(self, grad_outputs, residuals, tensors, saved_outputs):
+        n_masks = len(self.masks)
+        feeds = []
+        for kind, k in self.bw_sources:
+            if kind == "in":
+                feeds.append(tensors[k])
+            elif kind == "mask":
+                feeds.append(residuals[k])
+            elif kind == "out":
+                feeds.append(saved_outputs[k])
+            else:
+                feeds.append(residuals[n_masks + k])
+        for idx in self.seed_index:
+            feeds.append(grad_outputs[idx].unsqueeze(-1))
+        grads = self._run(
+            self.bw_session,
+            self.bw_pinning,
+            self.bw_inputs,
+            feeds,
+            self.bw_outputs,
+            self._bw_devices,
+            "backward",
+        )
+        return [g.squeeze(-1) for g in grads]
+
+
+_TORCH_FLOATS = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.DOUBLE: torch.float64,
+    onnx.TensorProto.FLOAT16: torch.float16,
+}
+
+
+def _prepare(model: onnx.ModelProto) -> None:
+    """ortbridge's rewrites of what onnx-ad gets wrong or refuses, where available."""
+    try:
+        from .._ad_rewrites import prepare_for_reverse
+    except ImportError:
+        return
+    prepared = prepare_for_reverse(model)
+    if prepared is not model:
+        model.CopyFrom(prepared)
+
+
+def _fix_seed_axis(model: onnx.ModelProto) -> None:
+    """One seed direction: the seed axis is 1, so onnxruntime knows its size."""
+    for vi in list(model.graph.input) + list(model.graph.output):
+        for dim in vi.type.tensor_type.shape.dim:
+            if dim.dim_param == _SEED_AXIS:
+                dim.Clear()
+                dim.dim_value = 1
+
+
+def _dim_sources(model: onnx.ModelProto, n_feeds: int) -> dict[str, tuple[int, int]]:
+    """Where each symbolic input dimension can be read: (feed position, axis)."""
+    found = {}
+    for pos, vi in enumerate(list(model.graph.input)[:n_feeds]):
+        for axis, dim in enumerate(vi.type.tensor_type.shape.dim):
+            if dim.dim_param and dim.dim_param not in found:
+                found[dim.dim_param] = (pos, axis)
+    return found

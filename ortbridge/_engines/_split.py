@@ -1,0 +1,195 @@
+"""Splitting a reverse-mode model into a forward graph and a backward graph.
+
+onnx-ad's reverse model computes the primal outputs and the adjoints in one
+graph, a function of ``(inputs, seeds)``. Training needs two: the forward
+runs when torch calls the layer and must not wait for the seeds (the output
+gradients), the backward runs later. Plain graph code, no onnxruntime.
+
+- Forward: the ancestors of the primal outputs. It also returns the
+  *residuals*: tensors it produces that the backward reads.
+- Backward: every other ancestor of the adjoints, including seed-independent
+  work the forward does not need (recomputed there from inputs and residuals
+  rather than saved: torch's trade too).
+- Graph inputs the backward reads are fed to it directly, never saved twice.
+- An adjoint that depends on no seed is zero (no gradient reaches it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx
+import onnx.numpy_helper
+from onnx import helper
+
+
+def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names a subgraph body reads from its enclosing scopes."""
+    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    reads = set()
+    for node in graph.node:
+        for name in node_reads(node):
+            if name not in defined:
+                reads.add(name)
+        defined.update(node.output)
+    for out in graph.output:
+        if out.name not in defined:
+            reads.add(out.name)
+    return reads
+
+
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """The tensors ``node`` reads, including those its subgraphs read from outside."""
+    names = [n for n in node.input if n]
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            names.extend(sorted(_subgraph_reads(attr.g)))
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for g in attr.graphs:
+                names.extend(sorted(_subgraph_reads(g)))
+    return names
+
+
+@dataclasses.dataclass
+class Split:
+    """The two halves of a reverse model."""
+
+    forward: onnx.ModelProto
+    backward: onnx.ModelProto
+    #: Tensors the forward returns after the primal outputs for the backward.
+    residuals: list[str]
+    #: Graph inputs of the reverse model that the backward reads.
+    backward_inputs: list[str]
+    #: Adjoint outputs that no seed reaches (zero gradients, not computed).
+    zero_adjoints: list[str]
+
+
+def _ancestors(targets, producer, nodes) -> set[int]:
+    """Indices of the nodes ``targets`` depend on."""
+    seen, stack = set(), [t for t in targets if t in producer]
+    while stack:
+        idx = producer[stack.pop()]
+        if idx in seen:
+            continue
+        seen.add(idx)
+        stack.extend(n for n in node_reads(nodes[idx]) if n in producer)
+    return seen
+
+
+def split(
+    reverse: onnx.ModelProto,
+    primal_outputs: list[str],
+    seeds: list[str],
+    adjoints: list[str],
+) -> Split:
+    """Split ``reverse`` into forward and backward models.
+
+    ``primal_outputs``: outputs the forward returns (user outputs and any
+    extra primal outputs such as running statistics); ``seeds``: the seed
+    inputs; ``adjoints``: the adjoint outputs the backward returns.
+    """
+    graph = reverse.graph
+    nodes = list(graph.node)
+    producer = {}
+    for idx, node in enumerate(nodes):
+        for out in node.output:
+            if out:
+                producer[out] = idx
+    # Which tensors depend on a seed (forward closure, in topological order).
+    seeded = set(seeds)
+    for node in nodes:
+        if any(n in seeded for n in node_reads(node)):
+            seeded.update(o for o in node.output if o)
+    forward_idx = _ancestors(primal_outputs, producer, nodes)
+    bad = [nodes[i].name or nodes[i].op_type for i in forward_idx if nodes[i].output[0] in seeded]
+    if bad:
+        raise ValueError(f"forward nodes depend on a seed: {bad[:5]}")
+    zero = [a for a in adjoints if a not in seeded or _is_zeros(a, producer, nodes)]
+    live = [a for a in adjoints if a not in zero]
+    backward_idx = _ancestors(live, producer, nodes) - forward_idx
+
+    inits = {i.name: i for i in graph.initializer}
+    graph_inputs = [i.name for i in graph.input]
+    seed_set = set(seeds)
+    forward_out = set()
+    for i in forward_idx:
+        forward_out.update(o for o in nodes[i].output if o)
+    backward_reads, backward_defines = [], set()
+    for i in sorted(backward_idx):
+        for name in node_reads(nodes[i]):
+            if name not in backward_defines and name not in backward_reads:
+                backward_reads.append(name)
+        backward_defines.update(nodes[i].output)
+    # An adjoint may be a graph input or a forward tensor as it is (Identity
+    # folded away): the backward then reads it directly.
+    for name in live:
+        if name not in backward_defines and name not in backward_reads:
+            backward_reads.append(name)
+    residuals = [n for n in backward_reads if n in forward_out]
+    backward_inputs = [n for n in graph_inputs if n in backward_reads and n not in seed_set]
+
+    types = _value_infos(reverse)
+
+    def info(name):
+        if name in types:
+            return types[name]
+        return helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)
+
+    def model(node_idx, inputs, outputs):
+        body = [nodes[i] for i in sorted(node_idx)]
+        reads = set(outputs)
+        for node in body:
+            reads.update(node_reads(node))
+        g = helper.make_graph(
+            body,
+            graph.name,
+            [info(n) for n in inputs],
+            [info(n) for n in outputs],
+            initializer=[inits[n] for n in inits if n in reads],
+        )
+        m = helper.make_model(g, opset_imports=list(reverse.opset_import))
+        m.ir_version = reverse.ir_version
+        m.functions.extend(reverse.functions)
+        return m
+
+    forward_inputs = [n for n in graph_inputs if n not in seed_set]
+    # Residuals that are primal outputs are returned once, as outputs.
+    extra = [r for r in residuals if r not in primal_outputs]
+    fw = model(forward_idx, forward_inputs, list(primal_outputs) + extra)
+    bw = model(backward_idx, backward_inputs + residuals + list(seeds), live)
+    return Split(fw, bw, residuals, backward_inputs, zero)
+
+
+def _is_zeros(name, producer, nodes) -> bool:
+    """Whether ``name`` is a ``ConstantOfShape`` of zeros, through Identity nodes.
+
+    onnx-ad writes an unreached adjoint so, sized like its seed.
+    """
+    while name in producer:
+        node = nodes[producer[name]]
+        if node.op_type == "Identity":
+            name = node.input[0]
+            continue
+        if node.op_type != "ConstantOfShape":
+            return False
+        value = next((a.t for a in node.attribute if a.name == "value"), None)
+        return value is None or not onnx.numpy_helper.to_array(value).any()
+    return False
+
+
+def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """Type and shape of every tensor onnx's inference can type."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # untyped tensors are typed by onnxruntime later
+        inferred = model
+    g = inferred.graph
+    found = {}
+    for vi in list(g.value_info) + list(g.input) + list(g.output):
+        if vi.type.tensor_type.elem_type:
+            found[vi.name] = vi
+    for init in g.initializer:
+        found.setdefault(
+            init.name, helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+        )
+    return found

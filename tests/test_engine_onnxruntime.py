@@ -1,0 +1,301 @@
+"""The onnxruntime engine: residuals in autograd, double backward, Dropout, choosing engines."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ENGINES, export
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from ortbridge import OnnxModule, _ort
+from ortbridge._engines import _onnxruntime
+from ortbridge._examples import linear_model
+from ortbridge._onnx_utils import make_model
+from ortbridge.exceptions import MissingDependencyError, OnnxInputError, OrtBridgeError
+
+ORT = "onnxruntime"
+needs_engine = pytest.mark.skipif(ORT not in ENGINES, reason="onnx-ad is not installed")
+
+
+def _tanh_model(dtype=TensorProto.FLOAT):
+    np_type = np.float64 if dtype == TensorProto.DOUBLE else np.float32
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "w"], ["xw"]), helper.make_node("Tanh", ["xw"], ["y"])],
+        "tanh",
+        [helper.make_tensor_value_info("x", dtype, ["n", 3])],
+        [helper.make_tensor_value_info("y", dtype, ["n", 3])],
+        [numpy_helper.from_array(np.linspace(0.5, 1.5, 3).astype(np_type), "w")],
+    )
+    return make_model(graph)
+
+
+def _mlp64():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    return model, OnnxModule(export(model, (torch.randn(3, 4, dtype=torch.float64),)), backend=ORT)
+
+
+# -- choosing an engine -------------------------------------------------------
+
+
+def test_unknown_backend_lists_the_choices():
+    with pytest.raises(OnnxInputError, match=r"backend must be one of \['auto', 'training-agent'"):
+        OnnxModule(linear_model(3, 2), backend="tensorrt")
+
+
+def test_training_agent_without_the_training_build_names_the_extra(monkeypatch):
+    monkeypatch.setattr(_ort, "has_training", lambda: False)
+    with pytest.raises(MissingDependencyError, match=r"ortbridge\[cpu\]"):
+        OnnxModule(linear_model(3, 2), backend="training-agent")
+
+
+@needs_engine
+def test_onnxruntime_engine_without_onnx_ad_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnx_ad", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install onnx-ad"):
+        OnnxModule(linear_model(3, 2), backend=ORT)
+
+
+@needs_engine
+def test_auto_says_which_engine_runs_and_why():
+    layer = OnnxModule(linear_model(3, 2))
+    assert layer.backend in ENGINES
+    if not _ort.has_training():
+        assert layer.backend == ORT
+        assert "training build is not installed" in layer.backend_reason
+    # A graph with a Loop is never handed to the training build's builder.
+    lstm = nn.LSTM(3, 4, batch_first=True, bidirectional=True)
+    layer = OnnxModule(export(lstm, (torch.randn(2, 5, 3),), dynamic_batch=False))
+    assert layer.backend == ORT
+
+
+# -- residuals in torch's autograd --------------------------------------------
+
+
+@needs_engine
+def test_interleaved_forwards_backwards_and_freeing():
+    layer = OnnxModule(_tanh_model(), backend=ORT)
+    w = layer.onnx_weight("w").detach().clone().requires_grad_()
+    x1, x2 = torch.randn(5, 3), torch.randn(2, 3)
+    y1, y2 = layer(x1), layer(x2)
+    (y2**2).sum().backward()
+    g2 = layer.onnx_weight("w").grad.clone()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y2.sum().backward()  # its residuals were freed with its backward
+    layer.zero_grad()
+    (y1**3).sum().backward()
+    g1 = layer.onnx_weight("w").grad.clone()
+    (torch.tanh(x2 * w) ** 2).sum().backward()
+    torch.testing.assert_close(g2, w.grad)
+    w.grad = None
+    (torch.tanh(x1 * w) ** 3).sum().backward()
+    torch.testing.assert_close(g1, w.grad)
+
+
+@needs_engine
+def test_retain_graph_reuses_the_residuals_without_running_forward_again(monkeypatch):
+    layer = OnnxModule(_tanh_model(), backend=ORT)
+    x = torch.randn(4, 3, requires_grad=True)
+    y = layer(x)
+    runs = []
+    real = _onnxruntime._Built.forward
+    monkeypatch.setattr(_onnxruntime._Built, "forward", lambda *a: runs.append(1) or real(*a))
+    y.sum().backward(retain_graph=True)
+    first = layer.onnx_weight("w").grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(layer.onnx_weight("w").grad, 2 * first)
+    assert runs == []
+
+
+@needs_engine
+def test_in_place_change_of_a_saved_output_raises():
+    layer = OnnxModule(_tanh_model(), backend=ORT)
+    y = layer(torch.randn(4, 3, requires_grad=True))
+    (graph,) = [g for g in layer._bridge._gradient_graphs.values() if 0 in g.grad_slots]
+    assert graph.save_outputs == [0]  # Tanh's gradient reads its output
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+# -- double backward ----------------------------------------------------------
+
+
+@needs_engine
+def test_gradient_penalty_matches_torch():
+    model, layer = _mlp64()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for net in (model, layer):
+        xi = x.clone().requires_grad_()
+        out = net(xi)
+        (gx,) = torch.autograd.grad(out.sum(), xi, create_graph=True)
+        loss = out.pow(2).mean() + (gx.norm(dim=1) - 1).pow(2).mean()
+        loss.backward()
+    params = dict(model.named_parameters())
+    for name, p in layer.named_onnx_parameters():
+        torch.testing.assert_close(p.grad, params[name].grad, rtol=1e-10, atol=1e-12)
+
+
+@needs_engine
+def test_hessian_vector_product_matches_torch():
+    model, layer = _mlp64()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    v = torch.randn(5, 4, dtype=torch.float64)
+    _, ref = torch.autograd.functional.hvp(lambda t: model(t).pow(3).sum(), x, v)
+    _, ours = torch.autograd.functional.hvp(lambda t: layer(t).pow(3).sum(), x, v)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.engines("training-agent")
+def test_training_agent_refuses_double_backward(backend):
+    layer = OnnxModule(_tanh_model(), backend=backend)
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(OrtBridgeError, match="double backward .* backend='onnxruntime'"):
+        torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+    (gx,) = torch.autograd.grad(layer(x).sum(), x)  # first order still works
+    assert gx.shape == x.shape
+
+
+# -- Dropout from torch's generator -------------------------------------------
+
+
+@needs_engine
+def test_dropout_masks_come_from_torch_generator():
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.4), nn.Linear(32, 2))
+    layer = OnnxModule(export(model.train(), (torch.randn(3, 6),)), backend=ORT).train()
+    x = torch.randn(7, 6)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        layer.zero_grad()
+        out = layer(x)
+        out.sum().backward()
+        runs.append((out.detach(), layer.onnx_weight("0.weight").grad.clone()))
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+    torch.manual_seed(12)
+    assert not torch.equal(layer(x).detach(), runs[0][0])
+
+
+# -- torch layers the training build cannot train -----------------------------
+
+
+class _UpBlock(nn.Module):
+    """A UNet decoder step: ConvTranspose, GroupNorm, Upsample, PixelShuffle."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(4, 4, 2, stride=2)
+        self.norm = nn.GroupNorm(2, 4)
+        self.resize = nn.Upsample(scale_factor=2, mode="bilinear")
+        self.shuffle = nn.PixelShuffle(2)
+
+    def forward(self, x):
+        return self.shuffle(self.resize(torch.relu(self.norm(self.up(x)))))
+
+
+class _Misc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+        self.p = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        y = torch.einsum("bi,ij->bj", x, self.w).cumsum(1)
+        return y.abs().pow(self.p) + y.amax(dim=1, keepdim=True)
+
+
+class _Recurrent(nn.Module):
+    """A recurrent layer whose outputs are flat (sequence, last hidden state)."""
+
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):
+        out, hidden = self.rnn(x)
+        return out, hidden[0] if isinstance(hidden, tuple) else hidden
+
+
+_LAYERS = {
+    "lstm-bidirectional-2-layers": (
+        lambda: _Recurrent(nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True)),
+        (2, 5, 3),
+    ),
+    "gru": (lambda: _Recurrent(nn.GRU(3, 4, batch_first=True)), (2, 5, 3)),
+    "rnn": (lambda: _Recurrent(nn.RNN(3, 4, batch_first=True)), (2, 5, 3)),
+    "unet-up-block": (_UpBlock, (2, 4, 3, 3)),
+    "instance-norm": (lambda: nn.InstanceNorm1d(3, affine=True), (2, 3, 6)),
+    "einsum-cumsum-amax-pow": (_Misc, (4, 3)),
+    "conv-same-even-kernel": (lambda: nn.Conv2d(2, 3, 4, padding="same"), (2, 2, 6, 6)),
+}
+
+
+#: What the training build's builder crashes on, refuses or gets wrong: "auto"
+#: must route these to the onnxruntime engine.
+_TRAINING_BUILD_CANNOT = {
+    ("lstm-bidirectional-2-layers", "dynamo"),
+    ("lstm-bidirectional-2-layers", "torchscript"),
+    ("unet-up-block", "dynamo"),
+    ("unet-up-block", "torchscript"),
+    ("conv-same-even-kernel", "torchscript"),
+}
+
+
+@needs_engine
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("name", list(_LAYERS))
+def test_torch_layers_train_with_torch_gradients(name, exporter):
+    factory, shape = _LAYERS[name]
+    torch.manual_seed(0)
+    model = factory().eval()
+    x = torch.randn(*shape)
+    if exporter == "dynamo":
+        proto = export(model, (x,), dynamic_batch=False)
+    else:
+        proto = _export_torchscript(model, x)
+    layer = OnnxModule(proto)
+    if _ort.has_training() and (name, exporter) in _TRAINING_BUILD_CANNOT:
+        assert layer.backend == ORT, layer.backend_reason
+    _compare(model, layer, x)
+
+
+def _compare(model, layer, x):
+    """Outputs, the input's gradient, and each weight's gradient found by name.
+
+    The TorchScript exporter renames (and for GRU/RNN repacks) recurrent
+    weights: those are checked through the input gradient and the outputs.
+    """
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [net(xi) for net, xi in zip((model, layer), xs)]
+    ref, ours = (o if isinstance(o, tuple) else (o,) for o in outs)
+    assert len(ref) == len(ours)
+    for r, o in zip(ref, ours):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5)
+    for out in (ref, ours):
+        sum((o.float() ** 2).sum() for o in out).backward()
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-4, atol=1e-5)
+    params = dict(model.named_parameters())
+    matched = 0
+    for name, param in layer.named_onnx_parameters():
+        if name in params:
+            torch.testing.assert_close(param.grad, params[name].grad, rtol=1e-4, atol=1e-5)
+            matched += 1
+    assert matched or not params or any("onnx::" in n for n, _ in layer.named_onnx_parameters())
+
+
+def _export_torchscript(model, x):
+    import io
+    import warnings
+
+    import onnx
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), buffer, dynamo=False, opset_version=17)
+    return onnx.load_from_string(buffer.getvalue())
