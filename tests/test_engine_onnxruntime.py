@@ -15,7 +15,12 @@ from ortbridge import OnnxModule, _ort
 from ortbridge._engines import _onnxruntime
 from ortbridge._examples import linear_model
 from ortbridge._onnx_utils import make_model
-from ortbridge.exceptions import MissingDependencyError, OnnxInputError, OrtBridgeError
+from ortbridge.exceptions import (
+    MissingDependencyError,
+    NotDifferentiableError,
+    OnnxInputError,
+    OrtBridgeError,
+)
 
 ORT = "onnxruntime"
 needs_engine = pytest.mark.skipif(ORT not in ENGINES, reason="onnx-ad is not installed")
@@ -71,6 +76,26 @@ def test_auto_says_which_engine_runs_and_why():
     lstm = nn.LSTM(3, 4, batch_first=True, bidirectional=True)
     layer = OnnxModule(export(lstm, (torch.randn(2, 5, 3),), dynamic_batch=False))
     assert layer.backend == ORT
+
+
+@needs_engine
+def test_a_node_onnx_ad_gets_wrong_is_refused_by_name():
+    # y = Det(A * w) + sum(w): Det on the path from w is refused; freezing w
+    # (nothing on a gradient path) leaves a module that runs.
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["a", "w"], ["aw"]),
+            helper.make_node("Det", ["aw"], ["y"], name="determinant"),
+        ],
+        "det",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(np.ones((3, 3), np.float32), "w")],
+    )
+    with pytest.raises(NotDifferentiableError, match=r"node 'determinant' \(op type Det\)"):
+        OnnxModule(make_model(graph), backend=ORT)
+    frozen = OnnxModule(make_model(graph), trainable=[], backend=ORT)
+    torch.testing.assert_close(frozen(torch.eye(3) * 2), torch.tensor(8.0))
 
 
 # -- residuals in torch's autograd --------------------------------------------

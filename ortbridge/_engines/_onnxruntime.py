@@ -26,6 +26,7 @@ from .. import _ort
 from .._runtime import _session, from_ortvalues, ort_device, to_ortvalues
 from ..exceptions import MissingDependencyError, NotDifferentiableError, OrtBridgeError
 from . import _split, _train_ops
+from ._optimize import optimize_reverse
 
 NAME = "onnxruntime"
 
@@ -205,6 +206,7 @@ class _Built:
         self.n_user_outputs = n_user
         self.non_differentiable = {i for i, n in enumerate(user_outputs) if n not in seeded}
         n_graph_inputs = len(m.graph.input)
+        _refuse_known_wrong(m, targets, seeded)
         try:
             reverse = ad.reverse(m, inputs=list(targets), outputs=seeded, layout="onnx")
         except ad.UnsupportedOperator as exc:
@@ -216,6 +218,7 @@ class _Built:
         seeds = [i.name for i in reverse.graph.input][n_graph_inputs:]
         adjoints = [o.name for o in reverse.graph.output][len(m.graph.output) :]
         _fix_seed_axis(reverse)
+        optimize_reverse(reverse)
         self.reverse = reverse
         self.reverse_inputs = [i.name for i in reverse.graph.input]
         primal_outputs = user_outputs + stat_outputs
@@ -334,12 +337,39 @@ _TORCH_FLOATS = {
 }
 
 
+def _refuse_known_wrong(model: onnx.ModelProto, targets, seeded) -> None:
+    """Refuse, by name, a node onnx-ad would differentiate silently wrong.
+
+    Only nodes on a gradient path count: between a tensor needing a gradient
+    and a differentiated output.
+    """
+    from .._ad_rewrites import known_wrong
+
+    nodes = list(model.graph.node)
+    reached = set(targets)
+    for node in nodes:
+        if any(n in reached for n in _split.node_reads(node)):
+            reached.update(node.output)
+    needed = set(seeded)
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            needed.update(_split.node_reads(node))
+    for node in nodes:
+        on_path = any(o in needed for o in node.output) and any(
+            n in reached for n in _split.node_reads(node)
+        )
+        reason = known_wrong(node) if on_path else None
+        if reason:
+            raise NotDifferentiableError(
+                f"the onnxruntime engine cannot differentiate node {node.name!r} "
+                f"(op type {node.op_type}) correctly: {reason}; freeze what lies before it"
+            )
+
+
 def _prepare(model: onnx.ModelProto) -> None:
-    """ortbridge's rewrites of what onnx-ad gets wrong or refuses, where available."""
-    try:
-        from .._ad_rewrites import prepare_for_reverse
-    except ImportError:
-        return
+    """ortbridge's rewrites of what onnx-ad gets wrong or refuses (:mod:`.._ad_rewrites`)."""
+    from .._ad_rewrites import prepare_for_reverse
+
     prepared = prepare_for_reverse(model)
     if prepared is not model:
         model.CopyFrom(prepared)

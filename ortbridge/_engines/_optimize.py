@@ -1,0 +1,129 @@
+"""Exact rewrites that make onnx-ad's reverse model cheaper to run and to keep.
+
+onnx-ad writes a general reverse model: the seed count is a trailing axis it
+moves around every MatMul/Conv with ``Transpose`` nodes, each adjoint is
+expanded to its full shape, and ReLU's mask is read from its input. With one
+seed direction, all three have cheaper equal forms:
+
+- a ``Transpose`` that moves only size-1 axes is ``Squeeze`` + ``Unsqueeze``
+  (no data moved);
+- an ``Expand`` whose input already has the target shape is an ``Identity``;
+- ``Greater(x, 0)`` beside ``Relu(x)`` is ``Greater(Relu(x), 0)``: the
+  backward then reads the ReLU's output, which the next layer's weight
+  gradient reads anyway, and the pre-activation need not be kept.
+
+Shapes come from onnx's shape inference with data propagation, symbolic
+dimensions compared by name; a rewrite applies only where they are known.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .._graph import _all_names, _unique
+
+
+def optimize_reverse(model: onnx.ModelProto) -> None:
+    """Apply the rewrites to ``model`` in place."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    _relu_masks_from_outputs(model)
+    if opset < 13:  # Squeeze/Unsqueeze take their axes as inputs from opset 13
+        return
+    shapes = _shapes(model)
+    if shapes is None:
+        return
+    graph = model.graph
+    taken = _all_names(graph)
+    rewritten = []
+    for node in graph.node:
+        if node.domain in ("", "ai.onnx") and node.op_type == "Transpose":
+            replaced = _transpose_of_unit_axes(node, shapes, taken)
+            if replaced:
+                rewritten.extend(replaced)
+                continue
+        if node.domain in ("", "ai.onnx") and node.op_type == "Expand":
+            src, out = shapes.get(node.input[0]), shapes.get(node.output[0])
+            if src is not None and src == out and None not in src:
+                rewritten.append(
+                    helper.make_node("Identity", [node.input[0]], [node.output[0]], node.name)
+                )
+                continue
+        rewritten.append(node)
+    del graph.node[:]
+    graph.node.extend(rewritten)
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, tuple] | None:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:
+        return None
+    found = {}
+    g = inferred.graph
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        tt = vi.type.tensor_type
+        if tt.HasField("shape"):
+            found[vi.name] = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                for d in tt.shape.dim
+            )
+    for init in g.initializer:
+        found[init.name] = tuple(init.dims)
+    return found
+
+
+def _transpose_of_unit_axes(node, shapes, taken):
+    shape = shapes.get(node.input[0])
+    if shape is None:
+        return None
+    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    if perm is None:
+        perm = list(reversed(range(len(shape))))
+    moved = [axis for axis in perm if shape[axis] != 1]
+    if moved != sorted(moved) or any(d is None for d in (shape[a] for a in moved)):
+        return None
+    squeeze_axes = [a for a, d in enumerate(shape) if d == 1]
+    unsqueeze_axes = [k for k, axis in enumerate(perm) if shape[axis] == 1]
+    if not squeeze_axes:
+        return [helper.make_node("Identity", [node.input[0]], [node.output[0]], node.name)]
+    nodes, current = [], node.input[0]
+    s_axes, u_axes = _unique(f"{node.name}_sq", taken), _unique(f"{node.name}_unsq", taken)
+    squeezed = _unique(f"{node.output[0]}_squeezed", taken)
+    nodes.append(_const(s_axes, squeeze_axes))
+    nodes.append(helper.make_node("Squeeze", [current, s_axes], [squeezed]))
+    nodes.append(_const(u_axes, unsqueeze_axes))
+    nodes.append(helper.make_node("Unsqueeze", [squeezed, u_axes], [node.output[0]], node.name))
+    return nodes
+
+
+def _const(name, values):
+    value = numpy_helper.from_array(np.array(values, dtype=np.int64))
+    return helper.make_node("Constant", [], [name], value=value)
+
+
+def _is_zero(name, constants) -> bool:
+    value = constants.get(name)
+    return value is not None and value.size == 1 and not value.any()
+
+
+def _relu_masks_from_outputs(model: onnx.ModelProto) -> None:
+    graph = model.graph
+    relu_of = {}
+    for node in graph.node:
+        if node.op_type == "Relu" and node.domain in ("", "ai.onnx"):
+            relu_of.setdefault(node.input[0], node.output[0])
+    if not relu_of:
+        return
+    constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    for node in graph.node:
+        if (
+            node.op_type == "Greater"
+            and node.input[0] in relu_of
+            and _is_zero(node.input[1], constants)
+        ):
+            node.input[0] = relu_of[node.input[0]]
