@@ -14,6 +14,9 @@ seed direction, all three have cheaper equal forms:
 
 Shapes come from onnx's shape inference with data propagation, symbolic
 dimensions compared by name; a rewrite applies only where they are known.
+Shape arithmetic whose operands are all known (graphs built per input shape)
+is folded to constants first (onnx-ad's own folding pass), which is what
+lets inference see through, for instance, MaxPool's ScatterND backward.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from .._graph import _all_names, _unique
 
 def optimize_reverse(model: onnx.ModelProto) -> None:
     """Apply the rewrites to ``model`` in place."""
+    from onnx_ad.fold import fold_constants
+
+    folded = fold_constants(model)
+    if folded is not model:
+        model.CopyFrom(folded)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     _relu_masks_from_outputs(model)
     if opset < 13:  # Squeeze/Unsqueeze take their axes as inputs from opset 13
