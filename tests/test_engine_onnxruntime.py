@@ -324,3 +324,41 @@ def _export_torchscript(model, x):
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (x,), buffer, dynamo=False, opset_version=17)
     return onnx.load_from_string(buffer.getvalue())
+
+
+@needs_engine
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+def test_average_pool_with_pads_trains_as_torch_and_avoids_the_training_build(count_include_pad):
+    # The training build's AveragePool gradient is wrong with pads: "auto"
+    # routes such a graph to the onnxruntime engine, whose gradient is torch's.
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["x", "w"], ["xw"]),
+            helper.make_node(
+                "AveragePool",
+                ["xw"],
+                ["y"],
+                kernel_shape=[3, 3],
+                strides=[2, 2],
+                pads=[1, 1, 1, 1],
+                count_include_pad=count_include_pad,
+            ),
+        ],
+        "pool",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 7, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 4])],
+        [numpy_helper.from_array(np.linspace(0.5, 1.5, 7).astype(np.float32), "w")],
+    )
+    layer = OnnxModule(make_model(graph))
+    if _ort.has_training():
+        assert layer.backend == ORT and "AveragePool" in layer.backend_reason
+    x = torch.randn(2, 3, 7, 7)
+    w = layer.onnx_weight("w").detach().clone().requires_grad_()
+    ref = torch.nn.functional.avg_pool2d(
+        x * w, 3, 2, padding=1, count_include_pad=bool(count_include_pad)
+    )
+    out = layer(x)
+    torch.testing.assert_close(out, ref)
+    (ref**2).sum().backward()
+    (out**2).sum().backward()
+    torch.testing.assert_close(layer.onnx_weight("w").grad, w.grad)

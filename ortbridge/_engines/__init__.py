@@ -61,6 +61,14 @@ def builder_avoids(model: onnx.ModelProto) -> str | None:
             reason = "a reduction gets a wrong gradient from the training build"
         elif node.op_type == "LSTM" and _attr(node, "direction", "forward") == "bidirectional":
             reason = "a bidirectional LSTM's gradient has no CPU kernel in the training build"
+        elif node.op_type == "AveragePool" and (
+            any(_attr(node, "pads", []) or [])
+            or any(d != 1 for d in _attr(node, "dilations", []) or [])
+            or len(_attr(node, "kernel_shape", []) or []) == 3
+        ):
+            reason = "pads, dilations or a 3-D window get a wrong gradient from the training build"
+        elif node.op_type == "MaxPool" and len(node.output) > 1 and node.output[1]:
+            reason = "its indices output gets a wrong gradient from the training build"
         if reason:
             return f"node {node.name!r} ({node.op_type}): {reason}"
     return None
