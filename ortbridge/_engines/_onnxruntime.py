@@ -27,7 +27,6 @@ from .._runtime import _session, from_ortvalues, ort_device, to_ortvalues
 from ..exceptions import MissingDependencyError, NotDifferentiableError, OrtBridgeError
 from . import _split, _train_ops
 from ._optimize import optimize_reverse
-from ._rules import own_rules
 
 NAME = "onnxruntime"
 
@@ -209,8 +208,7 @@ class _Built:
         n_graph_inputs = len(m.graph.input)
         _refuse_known_wrong(m, targets, seeded)
         try:
-            with own_rules():
-                reverse = ad.reverse(m, inputs=list(targets), outputs=seeded, layout="onnx")
+            reverse = ad.reverse(m, inputs=list(targets), outputs=seeded, layout="onnx")
         except ad.UnsupportedOperator as exc:
             if static is None and _STATIC_HINT.search(str(exc)):
                 raise _NeedsStaticShapes from exc
