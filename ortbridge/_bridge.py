@@ -60,18 +60,22 @@ class Bridge:
         )
         return _graph.weights_as_inputs(model, self.weight_names), extra
 
-    def gradient_graph(self, mode: str, needs_grad: tuple, device: torch.device):
-        """The engine's gradient graph for ``mode``, ``device`` and the tensors needing grad."""
+    def gradient_graph(self, mode: str, needs_grad: tuple, device: torch.device, tensors=None):
+        """The engine's gradient graph for ``mode``, ``device`` and the tensors needing grad.
+
+        ``tensors`` (the feeds, inputs may be None) lets the onnxruntime engine
+        build frozen settings such as Resize scales into the graph.
+        """
         # Called on every forward: the key is built without extra calls.
         stream = current_stream(device) if device.type == "cuda" else None
         key = (mode, needs_grad if type(needs_grad) is tuple else tuple(needs_grad), device, stream)
         graph = self._gradient_graphs.get(key)
         if graph is None:
-            graph = self._build(mode, key[1], device)
+            graph = self._build(mode, key[1], device, tensors)
             self._gradient_graphs[key] = graph
         return graph
 
-    def _build(self, mode: str, needs_grad: tuple, device: torch.device):
+    def _build(self, mode: str, needs_grad: tuple, device: torch.device, tensors=None):
         model, _ = self._variant(mode, for_gradient=True)
         n_in = len(self.input_names)
         inputs = [n for n, need in zip(self.input_names, needs_grad[:n_in]) if need]
@@ -87,6 +91,7 @@ class Bridge:
                 self.providers,
                 batch_norm_nodes=batch_norms,
                 n_inputs=n_in,
+                tensors=tensors,
             )
         while True:
             try:
@@ -112,7 +117,7 @@ class Bridge:
             except OnnxModelError as exc:
                 if not self._fall_back(exc):
                     raise
-            return self._build(mode, needs_grad, device)
+            return self._build(mode, needs_grad, device, tensors)
 
     def _fall_back(self, exc: Exception) -> bool:
         """Under ``backend="auto"``, move to the onnxruntime engine after the builder fails."""

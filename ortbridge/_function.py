@@ -42,7 +42,7 @@ def _forward(ctx, bridge, mode, *tensors):
     # running statistics) takes no detours, since in a step with cold caches
     # each Python line costs several times its tight-loop price.
     ctx.set_materialize_grads(False)
-    graph = bridge.gradient_graph(mode, ctx.needs_input_grad[2:], tensors[0].device)
+    graph = bridge.gradient_graph(mode, ctx.needs_input_grad[2:], tensors[0].device, tensors)
     outputs, residuals, token = graph.forward(tensors)
     n_user = graph.n_user_outputs
     if len(outputs) > n_user:

@@ -151,7 +151,8 @@ class OnnxModule(nn.Module):
         while True:
             needs = [False] * len(self._summary.inputs) + [n in chosen for n in self._weight_names]
             try:
-                self._bridge.gradient_graph(_graph.TRAIN, needs, device)
+                feeds = [None] * len(self._summary.inputs) + self._weights()
+                self._bridge.gradient_graph(_graph.TRAIN, needs, device, feeds)
                 return
             except NotDifferentiableError as exc:
                 # The static analysis may miss a path the builder knows to be

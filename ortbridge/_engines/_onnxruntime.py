@@ -27,6 +27,7 @@ from .._runtime import _session, from_ortvalues, ort_device, to_ortvalues
 from ..exceptions import MissingDependencyError, NotDifferentiableError, OrtBridgeError
 from . import _split, _train_ops
 from ._optimize import optimize_reverse
+from ._rules import own_rules
 
 NAME = "onnxruntime"
 
@@ -64,10 +65,25 @@ class OrtGradientGraph:
         providers=None,
         batch_norm_nodes=(),
         n_inputs: int | None = None,
+        tensors=None,
     ):
-        self._args = (model, feed_names, targets, device, session_options, providers)
         self._batch_norms = list(batch_norm_nodes)
         self.n_inputs = len(feed_names) if n_inputs is None else n_inputs
+        self._setup(model, feed_names, targets, device, session_options, providers, tensors)
+
+    def _setup(self, model, feed_names, targets, device, session_options, providers, tensors):
+        # Frozen weights read only where no gradient flows (Resize scales, a
+        # Dropout ratio, Clip bounds): onnx-ad needs them constant, so their
+        # current values are built into the graphs, which are rebuilt if the
+        # tensors change (torch's version counter says when).
+        self._settings = []
+        baked = {}
+        if tensors is not None:
+            for pos in _setting_positions(model, feed_names, targets, self.n_inputs):
+                t = tensors[pos]
+                baked[feed_names[pos]] = t.detach().cpu().numpy()
+                self._settings.append((pos, t._version, t.data_ptr()))
+        self._args = (model, feed_names, targets, device, session_options, providers, baked)
         self._by_shape: dict = {}
         try:
             self._built = first = _Built(*self._args, self._batch_norms)
@@ -88,16 +104,22 @@ class OrtGradientGraph:
     def sessions(self) -> list:
         """The onnxruntime sessions built so far (forward and backward, per shape)."""
         built = [self._built] if self._built is not None else list(self._by_shape.values())
-        return [s for b in built for s in (b.fw_session, b.bw_session)]
+        return [s for b in built for s in (b.fw_session, b.bw_session) if s is not None]
 
     @property
     def pinnings(self) -> list:
         """The pinning of each session's workers (None: left to the system)."""
         built = [self._built] if self._built is not None else list(self._by_shape.values())
-        return [p for b in built for p in (b.fw_pinning, b.bw_pinning)]
+        pairs = [(b.fw_session, b.fw_pinning) for b in built]
+        pairs += [(b.bw_session, b.bw_pinning) for b in built]
+        return [pinning for session, pinning in pairs if session is not None]
 
     def forward(self, tensors):
         """Outputs (user outputs, then new running statistics), residuals, and a token."""
+        if self._settings and any(
+            tensors[p]._version != v or tensors[p].data_ptr() != ptr for p, v, ptr in self._settings
+        ):
+            self._setup(*self._args[:-1], tensors)
         built = self._built if self._built is not None else self.static_built(tensors)
         outputs, residuals = built.forward(tensors)
         return outputs, residuals, built
@@ -165,11 +187,36 @@ def _not_differentiable(exc: Exception, model: onnx.ModelProto) -> NotDifferenti
     if named:
         op_type, node = named.groups()
     else:
-        op_type = text.split()[0] if text else "?"
-        node = next((n.name for n in model.graph.node if n.op_type == op_type), "?")
+        found = _culprit(text, model)
+        if found is None:
+            return NotDifferentiableError(
+                f"the onnxruntime engine cannot differentiate the graph: {text}"
+            )
+        op_type, node = found.op_type, found.name
     return NotDifferentiableError(
         f"the onnxruntime engine cannot differentiate node {node!r} (op type {op_type}): {text}"
     )
+
+
+def _culprit(text: str, model: onnx.ModelProto):
+    """The node an onnx-ad refusal is about, from the op types its message names.
+
+    A message may name an op onnx-ad wrote itself while expanding a function
+    (a RotaryEmbedding's Slice): then the function's node is named.
+    """
+    from onnx_ad import rules
+
+    words = set(re.findall(r"\w+", text))
+    nodes = list(model.graph.node)
+    for match in (
+        lambda n: n.op_type in words,
+        lambda n: n.op_type not in rules.REVERSE,
+        lambda n: any(w[:7] == n.op_type[:7] for w in words if len(w) >= 7),
+    ):
+        found = next((n for n in nodes if match(n)), None)
+        if found is not None:
+            return found
+    return None
 
 
 class _Built:
@@ -183,12 +230,14 @@ class _Built:
         device,
         session_options,
         providers,
+        baked,
         batch_norms,
         static=None,
     ):
         ad = onnx_ad()
         m = onnx.ModelProto()
         m.CopyFrom(model)
+        _bake(m, baked)
         if static is not None:
             _set_static(m, static)
         n_user = len(m.graph.output)
@@ -208,7 +257,8 @@ class _Built:
         n_graph_inputs = len(m.graph.input)
         _refuse_known_wrong(m, targets, seeded)
         try:
-            reverse = ad.reverse(m, inputs=list(targets), outputs=seeded, layout="onnx")
+            with own_rules():
+                reverse = ad.reverse(m, inputs=list(targets), outputs=seeded, layout="onnx")
         except ad.UnsupportedOperator as exc:
             if static is None and _STATIC_HINT.search(str(exc)):
                 raise _NeedsStaticShapes from exc
@@ -245,16 +295,22 @@ class _Built:
         self.n_seeds = len(seeds)
         self.seed_index = [user_outputs.index(n) for n in seeded]
         self.device = device
-        self.fw_inputs = list(feed_names) + self.mask_names
+        self.fed = [i for i, n in enumerate(feed_names) if n not in baked]
+        if len(self.fed) == len(feed_names):
+            self.fed = None  # every tensor is fed, in order
+        self.fw_inputs = [n for n in feed_names if n not in baked] + self.mask_names
         self.fw_outputs = fw_outputs
         self.bw_inputs = [i.name for i in parts.backward.graph.input]
         self.bw_outputs = [o.name for o in parts.backward.graph.output]
         self.fw_session, self.fw_pinning = _session(
             parts.forward, device, session_options, providers
         )
-        self.bw_session, self.bw_pinning = _session(
-            parts.backward, device, session_options, providers
-        )
+        if self.bw_outputs:
+            self.bw_session, self.bw_pinning = _session(
+                parts.backward, device, session_options, providers
+            )
+        else:  # no gradient reaches anything: nothing to run backward
+            self.bw_session = self.bw_pinning = None
         self.split = parts
         dev = ort_device(device)
         self._fw_devices = [dev] * len(self.fw_outputs)
@@ -293,11 +349,12 @@ class _Built:
 
     def forward(self, tensors):
         masks = self._draw_masks(tensors) if self.masks else []
+        fed = list(tensors) if self.fed is None else [tensors[i] for i in self.fed]
         outs = self._run(
             self.fw_session,
             self.fw_pinning,
             self.fw_inputs,
-            list(tensors) + masks,
+            fed + masks,
             self.fw_outputs,
             self._fw_devices,
             "forward",
@@ -305,6 +362,8 @@ class _Built:
         return outs[: self.n_primal], masks + outs[self.n_primal :]
 
     def backward(self, grad_outputs, residuals, tensors, saved_outputs):
+        if self.bw_session is None:
+            return []
         n_masks = len(self.masks)
         feeds = []
         for kind, k in self.bw_sources:
@@ -337,6 +396,40 @@ _TORCH_FLOATS = {
 }
 
 
+def _setting_positions(model, feed_names, targets, n_inputs) -> list[int]:
+    """Feed positions of frozen weights read only at non-differentiable operands."""
+    from .._graph import _NON_DIFFERENTIABLE_SLOTS
+
+    readers: dict[str, list] = {}
+    for node in model.graph.node:
+        for slot, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node.op_type, slot))
+    outputs = {o.name for o in model.graph.output}
+    found = []
+    for pos in range(n_inputs, len(feed_names)):
+        name = feed_names[pos]
+        uses = readers.get(name, [])
+        if name in targets or name in outputs or not uses:
+            continue
+        if all(
+            op != "BatchNormalization" and slot in _NON_DIFFERENTIABLE_SLOTS.get(op, ())
+            for op, slot in uses
+        ):
+            found.append(pos)
+    return found
+
+
+def _bake(model: onnx.ModelProto, values: dict) -> None:
+    """Turn the graph inputs ``values`` names into initializers holding those values."""
+    if not values:
+        return
+    kept = [i for i in model.graph.input if i.name not in values]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    for name, value in values.items():
+        model.graph.initializer.append(onnx.numpy_helper.from_array(value, name))
+
+
 def _refuse_known_wrong(model: onnx.ModelProto, targets, seeded) -> None:
     """Refuse, by name, a node onnx-ad would differentiate silently wrong.
 
@@ -359,11 +452,29 @@ def _refuse_known_wrong(model: onnx.ModelProto, targets, seeded) -> None:
             n in reached for n in _split.node_reads(node)
         )
         reason = known_wrong(node) if on_path else None
+        if on_path and node.op_type == "OneHot" and len(node.input) > 2:
+            if node.input[2] in reached:
+                reason = "onnx-ad 0.3.0 gives OneHot's values a zero derivative"
+        if on_path and node.op_type == "Resize" and _downsampling_align_corners(node, model):
+            reason = (
+                "onnx-ad 0.3.0's gradient is wrong for a linear or cubic Resize with "
+                "align_corners that shrinks an axis by its scales; give sizes instead"
+            )
         if reason:
             raise NotDifferentiableError(
                 f"the onnxruntime engine cannot differentiate node {node.name!r} "
                 f"(op type {node.op_type}) correctly: {reason}; freeze what lies before it"
             )
+
+
+def _downsampling_align_corners(node, model) -> bool:
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("coordinate_transformation_mode", b"half_pixel") != b"align_corners":
+        return False
+    if attrs.get("mode", b"nearest") not in (b"linear", b"cubic") or len(node.input) < 3:
+        return False
+    scales = next((i for i in model.graph.initializer if i.name == node.input[2]), None)
+    return scales is not None and bool((onnx.numpy_helper.to_array(scales) < 1).any())
 
 
 def _prepare(model: onnx.ModelProto) -> None:
