@@ -89,6 +89,7 @@ def split(
     inputs; ``adjoints``: the adjoint outputs the backward returns.
     """
     graph = reverse.graph
+    _forward_identities(graph, set(primal_outputs) | set(adjoints))
     nodes = list(graph.node)
     producer = {}
     for idx, node in enumerate(nodes):
@@ -106,6 +107,15 @@ def split(
         raise ValueError(f"forward nodes depend on a seed: {bad[:5]}")
     zero = [a for a in adjoints if a not in seeded or _is_zeros(a, producer, nodes)]
     live = [a for a in adjoints if a not in zero]
+    # The shape of a forward tensor is a few integers: computed in the forward
+    # and saved, rather than the tensor saved for its shape.
+    available = {i.name for i in graph.input if i.name not in seeded}
+    for i in forward_idx:
+        available.update(nodes[i].output)
+    for idx in _ancestors(live, producer, nodes) - forward_idx:
+        node = nodes[idx]
+        if node.op_type in ("Shape", "Size") and node.input[0] in available:
+            forward_idx.add(idx)
     backward_idx = _ancestors(live, producer, nodes) - forward_idx
 
     inits = {i.name: i for i in graph.initializer}
@@ -114,17 +124,20 @@ def split(
     forward_out = set()
     for i in forward_idx:
         forward_out.update(o for o in nodes[i].output if o)
-    backward_reads, backward_defines = [], set()
-    for i in sorted(backward_idx):
-        for name in node_reads(nodes[i]):
-            if name not in backward_defines and name not in backward_reads:
-                backward_reads.append(name)
-        backward_defines.update(nodes[i].output)
-    # An adjoint may be a graph input or a forward tensor as it is (Identity
-    # folded away): the backward then reads it directly.
-    for name in live:
-        if name not in backward_defines and name not in backward_reads:
-            backward_reads.append(name)
+    backward_reads = _reads(nodes, backward_idx, live)
+    # A layout op of graph inputs alone (a weight's Transpose) is redone in
+    # the backward rather than saved: torch keeps the weight, not a copy.
+    inputs_only = {i.name for i in graph.input if i.name not in seed_set} | set(inits)
+    redo = {
+        producer[n]
+        for n in backward_reads
+        if n in forward_out
+        and nodes[producer[n]].op_type in _LAYOUT_OPS
+        and all(r in inputs_only for r in node_reads(nodes[producer[n]]))
+    }
+    if redo:
+        backward_idx |= redo
+        backward_reads = _reads(nodes, backward_idx, live)
     residuals = [n for n in backward_reads if n in forward_out]
     backward_inputs = [n for n in graph_inputs if n in backward_reads and n not in seed_set]
 
@@ -158,6 +171,43 @@ def split(
     fw = model(forward_idx, forward_inputs, list(primal_outputs) + extra)
     bw = model(backward_idx, backward_inputs + residuals + list(seeds), live)
     return Split(fw, bw, residuals, backward_inputs, zero)
+
+
+def _reads(nodes, node_idx, live) -> list[str]:
+    """Tensors the nodes ``node_idx`` read from outside, in order, and the adjoints
+    ``live`` they do not compute (an adjoint may be an input or a forward tensor
+    as it is, once Identity nodes are folded away)."""
+    reads, defines = [], set()
+    for i in sorted(node_idx):
+        for name in node_reads(nodes[i]):
+            if name not in defines and name not in reads:
+                reads.append(name)
+        defines.update(nodes[i].output)
+    reads.extend(n for n in live if n not in defines and n not in reads)
+    return reads
+
+
+_LAYOUT_OPS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Cast", "Identity"})
+
+
+def _forward_identities(graph: onnx.GraphProto, keep: set[str]) -> None:
+    """Make readers of an ``Identity``'s output read its source instead.
+
+    Otherwise both names may be saved for the backward, two copies of one
+    tensor. Graph outputs keep their names; unused Identity nodes are left
+    for the split to drop.
+    """
+    source = {}
+    for node in graph.node:
+        if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
+            if node.output[0] not in keep:
+                source[node.output[0]] = source.get(node.input[0], node.input[0])
+    if not source:
+        return
+    for node in graph.node:
+        for pos, name in enumerate(node.input):
+            if name in source:
+                node.input[pos] = source[name]
 
 
 def _is_zeros(name, producer, nodes) -> bool:
