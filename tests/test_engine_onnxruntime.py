@@ -137,6 +137,22 @@ def test_retain_graph_reuses_the_residuals_without_running_forward_again(monkeyp
 
 
 @needs_engine
+def test_first_shapes_get_graphs_of_their_own_then_the_generic_one_runs():
+    layer = OnnxModule(_tanh_model(), backend=ORT)
+    w = layer.onnx_weight("w").detach().clone().requires_grad_()
+    limit = _onnxruntime.SPECIALISED_SHAPES
+    for batch in range(1, limit + 3):
+        layer.zero_grad()
+        w.grad = None
+        x = torch.randn(batch, 3)
+        (layer(x) ** 2).sum().backward()
+        (torch.tanh(x * w) ** 2).sum().backward()
+        torch.testing.assert_close(layer.onnx_weight("w").grad, w.grad)
+    (graph,) = layer._bridge._gradient_graphs.values()
+    assert len(graph._by_shape) == limit and graph._generic_used
+
+
+@needs_engine
 def test_in_place_change_of_a_saved_output_raises():
     layer = OnnxModule(_tanh_model(), backend=ORT)
     y = layer(torch.randn(4, 3, requires_grad=True))
