@@ -16,7 +16,8 @@ import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
 from . import _activations
-from ._onnx_utils import FLOAT_TYPES, np_dtype
+from ._onnx_utils import FLOAT_TYPES, node_reads, np_dtype
+from ._sequence_rewrites import sequences_as_tensors
 from .exceptions import NotDifferentiableError, OnnxModelError, OnnxTypeError
 
 # Inputs (by position) through which no gradient flows, per op type.
@@ -228,6 +229,10 @@ def _gradient_reachable(model: onnx.ModelProto, candidates: set[str]) -> set[str
         for pos, name in enumerate(node.input):
             if name and pos not in skip and is_float(name):
                 needed.add(name)
+        # A Loop, Scan or If body reads outer tensors without listing them as
+        # inputs (nn.EmbeddingBag's weight, read inside its Loop).
+        explicit = set(node.input)
+        needed.update(n for n in node_reads(node) if n not in explicit and is_float(n))
     return candidates & needed
 
 
@@ -282,8 +287,13 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     - Unnamed nodes get a name.
     - An ai.onnx opset below 13 is converted to 13: the gradient builder
       writes nodes in the forms of recent opsets (a ``Gemm`` without ``C``).
+    - Sequences of known length read back by constant position (dynamo's
+      ``torch.split``: ``SplitToSequence`` + ``SequenceAt``) become tensors
+      (:func:`._sequence_rewrites.sequences_as_tensors`): the builder follows
+      no weight into a sequence.
     """
     model = _at_least_opset(model, MIN_OPSET)
+    model = sequences_as_tensors(model, loops=False)
     graph = model.graph
     types, shapes = _infer(model)
     taken = _all_names(graph)

@@ -78,3 +78,30 @@ class NodeBuilder:
         self.nodes[-1].output[0] = node.output[0]
         self.nodes[-1].name = node.name
         return self.nodes
+
+
+def subgraph_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names a subgraph body reads from its enclosing scopes."""
+    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    reads = set()
+    for node in graph.node:
+        for name in node_reads(node):
+            if name not in defined:
+                reads.add(name)
+        defined.update(node.output)
+    for out in graph.output:
+        if out.name not in defined:
+            reads.add(out.name)
+    return reads
+
+
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """The tensors ``node`` reads, including those its subgraphs read from outside."""
+    names = [n for n in node.input if n]
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            names.extend(sorted(subgraph_reads(attr.g)))
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for g in attr.graphs:
+                names.extend(sorted(subgraph_reads(g)))
+    return names

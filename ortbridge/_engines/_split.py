@@ -22,32 +22,7 @@ import onnx
 import onnx.numpy_helper
 from onnx import helper
 
-
-def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
-    """Names a subgraph body reads from its enclosing scopes."""
-    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    reads = set()
-    for node in graph.node:
-        for name in node_reads(node):
-            if name not in defined:
-                reads.add(name)
-        defined.update(node.output)
-    for out in graph.output:
-        if out.name not in defined:
-            reads.add(out.name)
-    return reads
-
-
-def node_reads(node: onnx.NodeProto) -> list[str]:
-    """The tensors ``node`` reads, including those its subgraphs read from outside."""
-    names = [n for n in node.input if n]
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            names.extend(sorted(_subgraph_reads(attr.g)))
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            for g in attr.graphs:
-                names.extend(sorted(_subgraph_reads(g)))
-    return names
+from .._onnx_utils import node_reads
 
 
 @dataclasses.dataclass
