@@ -271,6 +271,7 @@ _LAYERS = {
     "rnn": (lambda: _Recurrent(nn.RNN(3, 4, batch_first=True)), (2, 5, 3)),
     "unet-up-block": (_UpBlock, (2, 4, 3, 3)),
     "instance-norm": (lambda: nn.InstanceNorm1d(3, affine=True), (2, 3, 6)),
+    "conv-transpose-1d": (lambda: nn.ConvTranspose1d(3, 2, 4, stride=2, padding=1), (2, 3, 7)),
     "einsum-cumsum-amax-pow": (_Misc, (4, 3)),
     "conv-same-even-kernel": (lambda: nn.Conv2d(2, 3, 4, padding="same"), (2, 2, 6, 6)),
 }
@@ -284,6 +285,8 @@ _TRAINING_BUILD_CANNOT = {
     ("unet-up-block", "dynamo"),
     ("unet-up-block", "torchscript"),
     ("conv-same-even-kernel", "torchscript"),
+    ("conv-transpose-1d", "dynamo"),
+    ("conv-transpose-1d", "torchscript"),
 }
 
 
