@@ -8,6 +8,9 @@ seed direction, all three have cheaper equal forms:
 - a ``Transpose`` that moves only size-1 axes is ``Squeeze`` + ``Unsqueeze``
   (no data moved);
 - an ``Expand`` whose input already has the target shape is an ``Identity``;
+- a weight gradient written ``(X^T G)^T`` (a transpose of the weight-sized
+  result) is ``G^T X`` (onnxruntime folds the small ``G^T`` into its
+  MatMul); two Transposes that cancel are an ``Identity``;
 - ``Greater(x, 0)`` beside ``Relu(x)`` is ``Greater(Relu(x), 0)``: the
   backward then reads the ReLU's output, which the next layer's weight
   gradient reads anyway, and the pre-activation need not be kept.
@@ -61,6 +64,69 @@ def optimize_reverse(model: onnx.ModelProto) -> None:
         rewritten.append(node)
     del graph.node[:]
     graph.node.extend(rewritten)
+    _transposed_products(graph, shapes, taken)
+
+
+def _perm(node) -> list[int] | None:
+    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+
+
+def _axes(node, constants) -> list[int] | None:
+    if len(node.input) > 1 and node.input[1] in constants:
+        return [int(a) for a in constants[node.input[1]].ravel()]
+    return None
+
+
+def _transposed_products(graph, shapes, taken) -> None:
+    """``Transpose([1,0,2])`` of ``Unsqueeze(Squeeze(MatMul(Transpose(X), G), [0]), [2])``
+    becomes ``Unsqueeze(MatMul(Transpose(Squeeze(G, [0])), X), [2])``; and
+    ``Transpose(Transpose(x))`` whose permutations cancel becomes ``Identity(x)``."""
+    producer = {o: n for n in graph.node for o in n.output}
+    constants = {}
+    for n in graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            constants[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    for i in graph.initializer:
+        constants[i.name] = numpy_helper.to_array(i)
+    rewritten = []
+    for node in graph.node:
+        rewritten.extend(_transposed_product(node, producer, constants, shapes, taken) or [node])
+    del graph.node[:]
+    graph.node.extend(rewritten)
+
+
+def _transposed_product(node, producer, constants, shapes, taken):
+    if node.op_type != "Transpose":
+        return None
+    inner = producer.get(node.input[0])
+    perm = _perm(node)
+    if inner is not None and inner.op_type == "Transpose" and perm and _perm(inner):
+        if [_perm(inner)[p] for p in perm] == list(range(len(perm))):
+            return [helper.make_node("Identity", [inner.input[0]], [node.output[0]], node.name)]
+    if perm != [1, 0, 2] or inner is None or inner.op_type != "Unsqueeze":
+        return None
+    squeeze = producer.get(inner.input[0])
+    if _axes(inner, constants) != [2] or squeeze is None or squeeze.op_type != "Squeeze":
+        return None
+    matmul = producer.get(squeeze.input[0])
+    if _axes(squeeze, constants) != [0] or matmul is None or matmul.op_type != "MatMul":
+        return None
+    left = producer.get(matmul.input[0])
+    g_shape, x_shape = shapes.get(matmul.input[1]), shapes.get(matmul.input[0])
+    if left is None or left.op_type != "Transpose" or _perm(left) not in ([1, 0], None):
+        return None
+    if g_shape is None or len(g_shape) != 3 or g_shape[0] != 1 or len(x_shape or ()) != 2:
+        return None
+    names = [_unique(f"{node.output[0]}_{s}", taken) for s in ("g", "gt", "p", "ax0", "ax2")]
+    g, gt, product, ax0, ax2 = names
+    return [
+        _const(ax0, [0]),
+        helper.make_node("Squeeze", [matmul.input[1], ax0], [g]),
+        helper.make_node("Transpose", [g], [gt], perm=[1, 0]),
+        helper.make_node("MatMul", [gt, left.input[0]], [product]),
+        _const(ax2, [2]),
+        helper.make_node("Unsqueeze", [product, ax2], [node.output[0]], node.name),
+    ]
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple] | None:
