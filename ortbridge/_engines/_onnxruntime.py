@@ -251,6 +251,9 @@ def _culprit(text: str, model: onnx.ModelProto):
 class _Built:
     """One forward graph and one backward graph, with their sessions."""
 
+    # Built during a forward (a new input shape): graph code that
+    # torch.compile must not trace into.
+    @torch.compiler.disable
     def __init__(
         self,
         model,
