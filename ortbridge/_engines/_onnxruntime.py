@@ -222,6 +222,12 @@ def _not_differentiable(exc: Exception, model: onnx.ModelProto) -> NotDifferenti
                 f"the onnxruntime engine cannot differentiate the graph: {text}"
             )
         op_type, node = found.op_type, found.name
+        same = sum(1 for n in model.graph.node if n.op_type == op_type)
+        if same > 1:  # the message does not say which one
+            return NotDifferentiableError(
+                f"the onnxruntime engine cannot differentiate a node of op type {op_type} "
+                f"(the graph has {same}, the first is node {node!r}): {text}"
+            )
     return NotDifferentiableError(
         f"the onnxruntime engine cannot differentiate node {node!r} (op type {op_type}): {text}"
     )
