@@ -11,6 +11,9 @@ seed direction, all three have cheaper equal forms:
 - a weight gradient written ``(X^T G)^T`` (a transpose of the weight-sized
   result) is ``G^T X`` (onnxruntime folds the small ``G^T`` into its
   MatMul); two Transposes that cancel are an ``Identity``;
+- a batched MatMul's weight gradient written as per-batch products summed
+  over the batch (a batch-times-weight-sized tensor) is one MatMul over the
+  flattened batch;
 - ``Greater(x, 0)`` beside ``Relu(x)`` is ``Greater(Relu(x), 0)``: the
   backward then reads the ReLU's output, which the next layer's weight
   gradient reads anyway, and the pre-activation need not be kept.
@@ -90,7 +93,10 @@ def _transposed_products(graph, shapes, taken) -> None:
         constants[i.name] = numpy_helper.to_array(i)
     rewritten = []
     for node in graph.node:
-        rewritten.extend(_transposed_product(node, producer, constants, shapes, taken) or [node])
+        replaced = _transposed_product(node, producer, constants, shapes, taken)
+        if replaced is None:
+            replaced = _summed_batch_product(node, producer, constants, shapes, taken)
+        rewritten.extend(replaced or [node])
     del graph.node[:]
     graph.node.extend(rewritten)
 
@@ -126,6 +132,48 @@ def _transposed_product(node, producer, constants, shapes, taken):
         helper.make_node("MatMul", [gt, left.input[0]], [product]),
         _const(ax2, [2]),
         helper.make_node("Unsqueeze", [product, ax2], [node.output[0]], node.name),
+    ]
+
+
+def _summed_batch_product(node, producer, constants, shapes, taken):
+    """``ReduceSum[0](Unsqueeze[3](Squeeze[0](MatMul(Transpose[0,2,1](X), G))))``,
+    X (b, m, k) and G (1, b, m, n), is ``Reshape(MatMul(X'^T, G'), [1, k, n, 1])``
+    with X' = X as (b*m, k) and G' = G as (b*m, n)."""
+    if node.op_type != "ReduceSum" or _axes(node, constants) != [0]:
+        return None
+    if any(a.name == "keepdims" and a.i == 0 for a in node.attribute):
+        return None
+    unsqueeze = producer.get(node.input[0])
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or _axes(unsqueeze, constants) != [3]:
+        return None
+    squeeze = producer.get(unsqueeze.input[0])
+    if squeeze is None or squeeze.op_type != "Squeeze" or _axes(squeeze, constants) != [0]:
+        return None
+    matmul = producer.get(squeeze.input[0])
+    if matmul is None or matmul.op_type != "MatMul":
+        return None
+    left = producer.get(matmul.input[0])
+    if left is None or left.op_type != "Transpose" or _perm(left) != [0, 2, 1]:
+        return None
+    x_shape, g_shape = shapes.get(left.input[0]), shapes.get(matmul.input[1])
+    if x_shape is None or g_shape is None or len(x_shape) != 3 or len(g_shape) != 4:
+        return None
+    k, n = x_shape[2], g_shape[3]
+    if g_shape[0] != 1 or not isinstance(k, int) or not isinstance(n, int):
+        return None
+    base = node.output[0]
+    xs, gs, xf, gf, xt, p, out_shape = (
+        _unique(f"{base}_{s}", taken) for s in ("xs", "gs", "xf", "gf", "xt", "p", "shape")
+    )
+    return [
+        _const(xs, [-1, k]),
+        helper.make_node("Reshape", [left.input[0], xs], [xf]),
+        _const(gs, [-1, n]),
+        helper.make_node("Reshape", [matmul.input[1], gs], [gf]),
+        helper.make_node("Transpose", [xf], [xt], perm=[1, 0]),
+        helper.make_node("MatMul", [xt, gf], [p]),
+        _const(out_shape, [1, k, n, 1]),
+        helper.make_node("Reshape", [p, out_shape], [base], node.name),
     ]
 
 
