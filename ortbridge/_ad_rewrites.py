@@ -48,9 +48,9 @@ import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
 from . import _ad_rewrites_conv as conv
-from ._ad_rewrites_conv import attr, copy_node, ints
-from ._graph import _all_names, _unique
-from ._onnx_utils import FLOAT_TYPES, NodeBuilder, elem_type, np_dtype
+from ._ad_rewrites_conv import copy_node, ints
+from ._graph import _all_names, _infer, _unique
+from ._onnx_utils import FLOAT_TYPES, NodeBuilder, attr, elem_type, np_dtype
 from ._sequence_rewrites import sequences_as_tensors
 from .exceptions import OnnxModelError
 
@@ -574,23 +574,6 @@ def _graphs(graph: onnx.GraphProto):
 def _opset(model: onnx.ModelProto) -> int:
     versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
     return max(versions, default=1)
-
-
-def _infer(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, tuple]]:
-    """Element types and shapes (None for unknown dimensions) by name."""
-    inferred = _inferred(model)
-    graph = inferred.graph
-    types = {t.name: t.data_type for t in graph.initializer}
-    shapes = {t.name: tuple(t.dims) for t in graph.initializer}
-    for value in list(graph.input) + list(graph.output) + list(graph.value_info):
-        tensor = value.type.tensor_type
-        if tensor.elem_type:
-            types[value.name] = tensor.elem_type
-        if tensor.HasField("shape"):
-            shapes[value.name] = tuple(
-                d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim
-            )
-    return types, shapes
 
 
 def _reinferred(model: onnx.ModelProto, changed: set[str]) -> onnx.ModelProto:

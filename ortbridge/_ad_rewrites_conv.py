@@ -28,21 +28,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ._onnx_utils import NodeBuilder, np_dtype
+from ._onnx_utils import NodeBuilder, attr, np_dtype
 
 
 def ints(b: NodeBuilder, values) -> str:
     """A ``Constant`` int64 vector: onnx-ad reads axes, pads and shapes from constants."""
     array = np.asarray(list(values), dtype=np.int64)
     return b.op("Constant", value=numpy_helper.from_array(array))
-
-
-def attr(node: onnx.NodeProto, name: str, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            value = helper.get_attribute_value(a)
-            return value.decode() if isinstance(value, bytes) else value
-    return default
 
 
 def copy_node(node: onnx.NodeProto, inputs=None, drop=(), **attrs) -> onnx.NodeProto:
@@ -118,17 +110,32 @@ def pad_or_crop(b: NodeBuilder, x: str, dims, before, after, first: int = 2) -> 
     return x
 
 
-def conv(node, b: NodeBuilder, shape, is_constant):
-    """A Conv with explicit pads and exact windows; grouped with a trained weight, split."""
+def _window(node, shape):
+    """A Conv's or ConvTranspose's operands and window: (x, w, shape of x, shape of w,
+    kernel, strides, dilations, spatial size or None); None when the kernel is unknown."""
     x, w = node.input[0], node.input[1]
     xs, ws = shape(x), shape(w)
     kernel = attr(node, "kernel_shape") or (list(ws[2:]) if _static(ws) else None)
     if kernel is None:
         return None
+    return (x, w, xs, ws, kernel, *_geometry(node, xs, kernel))
+
+
+def _geometry(node, xs, kernel):
+    """Strides, dilations and the input's spatial size (None if unknown) of a window."""
     rank = len(kernel)
     strides = list(attr(node, "strides", [1] * rank))
     dilations = list(attr(node, "dilations", [1] * rank))
     spatial = list(xs[2:]) if xs is not None and len(xs) == rank + 2 else None
+    return strides, dilations, spatial
+
+
+def conv(node, b: NodeBuilder, shape, is_constant):
+    """A Conv with explicit pads and exact windows; grouped with a trained weight, split."""
+    window = _window(node, shape)
+    if window is None:
+        return None
+    x, w, xs, ws, kernel, strides, dilations, spatial = window
     pads = explicit_pads(node, spatial, kernel, strides, dilations)
     if pads is None:
         return None
@@ -204,17 +211,13 @@ def _transpose_pads(node, spatial, kernel, strides, dilations, padding):
 
 def conv_transpose(node, b: NodeBuilder, shape, is_constant):
     """A ConvTranspose with explicit pads, or (trained weight) a Conv over a zero-inserted input."""
-    x, w = node.input[0], node.input[1]
-    xs, ws = shape(x), shape(w)
-    kernel = attr(node, "kernel_shape") or (list(ws[2:]) if _static(ws) else None)
-    if kernel is None:
+    window = _window(node, shape)
+    if window is None:
         return None
+    x, w, xs, ws, kernel, strides, dilations, spatial = window
     rank = len(kernel)
-    strides = list(attr(node, "strides", [1] * rank))
-    dilations = list(attr(node, "dilations", [1] * rank))
     padding = list(attr(node, "output_padding", [0] * rank))
     group = attr(node, "group", 1)
-    spatial = list(xs[2:]) if xs is not None and len(xs) == rank + 2 else None
     pads = _transpose_pads(node, spatial, kernel, strides, dilations, padding)
     if pads is None:
         return None
@@ -277,10 +280,7 @@ def pool(node, b: NodeBuilder, shape, elem_type):
     kernel = list(attr(node, "kernel_shape", []))
     if not kernel:  # required by the standard; onnx-ad names the node
         return None
-    rank = len(kernel)
-    strides = list(attr(node, "strides", [1] * rank))
-    dilations = list(attr(node, "dilations", [1] * rank))
-    spatial = list(xs[2:]) if xs is not None and len(xs) == rank + 2 else None
+    strides, dilations, spatial = _geometry(node, xs, kernel)
     pads = explicit_pads(node, spatial, kernel, strides, dilations)
     if pads is None:
         return None

@@ -70,34 +70,31 @@ def _forward(ctx, bridge, mode, *tensors):
 def _backward(ctx, *grad_outputs):
     saved = ctx.saved_tensors
     graph = ctx.graph
-    tensors = list(saved[: ctx.n_kept])
-    for i in sorted(ctx.volatile or ()):
-        tensors.insert(i, ctx.volatile[i])
-    n_out = ctx.n_saved_outputs
-    saved_outputs = dict(zip(graph.save_outputs, saved[ctx.n_kept : ctx.n_kept + n_out]))
-    residuals = saved[ctx.n_kept + n_out :]
+    # The onnxruntime engine reads output gradients by output position (None
+    # where an output has none); the training agent takes the differentiable ones.
+    positional = graph.saves_tensors
     feeds = []
     for idx, grad in enumerate(grad_outputs[: graph.n_user_outputs]):
         if idx in graph.non_differentiable:
-            feeds.append(None)
+            if positional:
+                feeds.append(None)
             continue
         if grad is None:
             shape, dtype, device = ctx.output_meta[idx]
             grad = torch.zeros(shape if idx in graph.full_shape else (), dtype=dtype, device=device)
         feeds.append(grad.contiguous())
     if torch.is_grad_enabled():
-        grads = _differentiable_backward(ctx, graph, tensors, feeds, residuals)
-    else:
-        token = ctx.token
-        if not graph.saves_tensors:
-            ctx.token = None  # the state holds every activation: free it with this backward
+        grads = _differentiable_backward(ctx, graph, feeds, saved)
+    elif positional:
+        n_kept, n_out = ctx.n_kept, ctx.n_saved_outputs
+        saved_outputs = dict(zip(graph.save_outputs, saved[n_kept : n_kept + n_out]))
         grads = graph.backward(
-            [f for f in feeds if f is not None] if not graph.saves_tensors else feeds,
-            token,
-            residuals,
-            tensors,
-            saved_outputs,
+            feeds, ctx.token, saved[n_kept + n_out :], _inputs(ctx, saved), saved_outputs
         )
+    else:
+        token, ctx.token = ctx.token, None  # the state holds every activation: freed here
+        # A state consumed by an earlier backward (retain_graph) is rebuilt from the inputs.
+        grads = graph.backward(feeds, token, (), None if token is not None else _inputs(ctx, saved))
     # (bridge, mode, *tensors): one slot per argument of forward.
     result = [None] * (2 + len(ctx.bridge.feed_names))
     for slot, grad in zip(graph.grad_slots, grads):
@@ -105,7 +102,15 @@ def _backward(ctx, *grad_outputs):
     return tuple(result)
 
 
-def _differentiable_backward(ctx, graph, tensors, feeds, residuals):
+def _inputs(ctx, saved) -> list[torch.Tensor]:
+    """The forward's tensors: the saved ones, and the running statistics kept unsaved."""
+    tensors = list(saved[: ctx.n_kept])
+    for i in sorted(ctx.volatile or ()):
+        tensors.insert(i, ctx.volatile[i])
+    return tensors
+
+
+def _differentiable_backward(ctx, graph, feeds, saved):
     """The backward as a differentiable function of the inputs (``create_graph=True``)."""
     if not graph.saves_tensors:
         raise OrtBridgeError(
@@ -113,10 +118,12 @@ def _differentiable_backward(ctx, graph, tensors, feeds, residuals):
             "the training-agent engine: its gradient graph is not differentiable and the "
             "second-order term would be lost; build the module with backend='onnxruntime'"
         )
+    tensors = _inputs(ctx, saved)
     reverse_bridge, order = ctx.bridge.reverse_bridge(graph, tensors)
-    n_masks = len(ctx.token.masks)
+    # The Dropout masks lead the residuals, after the inputs and saved outputs.
+    masks = saved[ctx.n_kept + ctx.n_saved_outputs :][: len(ctx.token.masks)]
     values = dict(zip(ctx.bridge.feed_names, tensors))
-    values.update(zip(ctx.token.mask_names, residuals[:n_masks]))
+    values.update(zip(ctx.token.mask_names, masks))
     seeds = [feeds[i].unsqueeze(-1) for i in ctx.token.seed_index]
     args = [values[name] for name in order[: len(order) - len(seeds)]] + seeds
     grads = reverse_bridge.function_apply(*args)

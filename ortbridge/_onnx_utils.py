@@ -33,6 +33,15 @@ def make_model(graph: onnx.GraphProto, opset: int = OPSET, extra_opsets=None) ->
     return model
 
 
+def attr(node: onnx.NodeProto, name: str, default=None):
+    """The value of attribute ``name`` of ``node`` (strings decoded), or ``default``."""
+    for a in node.attribute:
+        if a.name == name:
+            value = helper.get_attribute_value(a)
+            return value.decode() if isinstance(value, bytes) else value
+    return default
+
+
 def np_dtype(elem_type: int) -> np.dtype:
     """numpy dtype of an ONNX element type."""
     return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))

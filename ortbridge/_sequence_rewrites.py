@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ._onnx_utils import node_reads, subgraph_reads
+from ._onnx_utils import attr, node_reads, subgraph_reads
 
 _LIST_READERS = frozenset({"SequenceAt", "ConcatFromSequence", "SequenceLength"})
 _INTEGERS = frozenset(
@@ -97,13 +97,6 @@ def _subgraphs(node: onnx.NodeProto):
 
 def _size(proto: onnx.TensorProto) -> int:
     return int(np.prod(proto.dims, dtype=np.int64))
-
-
-def _attr(node, name, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
 
 
 class _Rewriter:
@@ -244,7 +237,7 @@ class _Rewriter:
         if node.op_type == "SequenceConstruct":
             return list(node.input)
         x = node.input[0]
-        axis = _attr(node, "axis", 0)
+        axis = attr(node, "axis", 0)
         split = self.value(node.input[1]) if len(node.input) > 1 and node.input[1] else None
         if len(node.input) > 1 and node.input[1] and split is None:
             return None
@@ -261,7 +254,7 @@ class _Rewriter:
                 return None
             length = dim.dim_value
             if split is None:  # one element per index along the axis
-                sizes, squeeze = [1] * length, not _attr(node, "keepdims", 1)
+                sizes, squeeze = [1] * length, not attr(node, "keepdims", 1)
             else:  # chunks of one size, the last one shorter
                 step = int(split)
                 sizes = [min(step, length - k) for k in range(0, length, step)]
@@ -295,8 +288,8 @@ class _Rewriter:
             if not -len(parts) <= k < len(parts):
                 return None
             return [helper.make_node("Identity", [parts[k]], [out], name)]
-        axis = _attr(reader, "axis")
-        if _attr(reader, "new_axis", 0):
+        axis = attr(reader, "axis")
+        if attr(reader, "new_axis", 0):
             nodes, axes = [], None
             stacked = []
             for part in parts:
@@ -323,7 +316,7 @@ class _Rewriter:
         for loop in self.graph.node:
             if loop.op_type != "Loop" or loop.domain:
                 continue
-            body = _attr(loop, "body")
+            body = attr(loop, "body")
             for j in range(len(loop.input) - 2):
                 plan = self._appending(loop, body, j, consumers, producers, outputs)
                 if plan is not None and self._rewrite_loop(loop, body, j, *plan):
@@ -423,7 +416,7 @@ class _Rewriter:
         sizes its seeds from them).
         """
         out, name = reader.output[0], reader.name or reader.output[0]
-        axis, new_axis = _attr(reader, "axis"), _attr(reader, "new_axis", 0)
+        axis, new_axis = attr(reader, "axis"), attr(reader, "new_axis", 0)
         rank = len(dims) if dims is not None else None
         if rank is None:
             out_rank = self.rank(out)

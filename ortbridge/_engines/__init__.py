@@ -20,6 +20,7 @@ from __future__ import annotations
 import onnx
 
 from .. import _ort
+from .._onnx_utils import attr
 from ..exceptions import MissingDependencyError, OnnxInputError
 
 TRAINING_AGENT = "training-agent"
@@ -40,32 +41,24 @@ _BUILDER_AVOIDS = {
 }
 
 
-def _attr(node, name, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            value = onnx.helper.get_attribute_value(a)
-            return value.decode() if isinstance(value, bytes) else value
-    return default
-
-
 def builder_avoids(model: onnx.ModelProto) -> str | None:
     """Why the training build's builder must not differentiate ``model`` (None: it may)."""
     for node in model.graph.node:
         reason = _BUILDER_AVOIDS.get(node.op_type)
         if node.op_type in ("Conv", "AveragePool", "MaxPool") and str(
-            _attr(node, "auto_pad", "NOTSET")
+            attr(node, "auto_pad", "NOTSET")
         ).startswith("SAME"):
             reason = "auto_pad=SAME_* gets a wrong gradient from the training build"
-        elif node.op_type in ("ScatterND", "ScatterElements") and _attr(
+        elif node.op_type in ("ScatterND", "ScatterElements") and attr(
             node, "reduction", "none"
         ) not in ("none",):
             reason = "a reduction gets a wrong gradient from the training build"
-        elif node.op_type == "LSTM" and _attr(node, "direction", "forward") == "bidirectional":
+        elif node.op_type == "LSTM" and attr(node, "direction", "forward") == "bidirectional":
             reason = "a bidirectional LSTM's gradient has no CPU kernel in the training build"
         elif node.op_type == "AveragePool" and (
-            any(_attr(node, "pads", []) or [])
-            or any(d != 1 for d in _attr(node, "dilations", []) or [])
-            or len(_attr(node, "kernel_shape", []) or []) == 3
+            any(attr(node, "pads", []) or [])
+            or any(d != 1 for d in attr(node, "dilations", []) or [])
+            or len(attr(node, "kernel_shape", []) or []) == 3
         ):
             reason = "pads, dilations or a 3-D window get a wrong gradient from the training build"
         elif node.op_type == "MaxPool" and len(node.output) > 1 and node.output[1]:

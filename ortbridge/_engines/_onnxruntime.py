@@ -26,6 +26,7 @@ import onnx
 import torch
 
 from .. import _ort
+from .._onnx_utils import attr
 from .._runtime import _session, from_ortvalues, ort_device, to_ortvalues
 from ..exceptions import MissingDependencyError, NotDifferentiableError, OrtBridgeError
 from . import _split, _train_ops
@@ -308,7 +309,6 @@ class _Built:
         _fix_seed_axis(reverse)
         optimize_reverse(reverse)
         self.reverse = reverse
-        self.reverse_inputs = [i.name for i in reverse.graph.input]
         primal_outputs = user_outputs + stat_outputs
         parts = _split.split(reverse, primal_outputs, seeds, adjoints)
         live = set(adjoints) - set(parts.zero_adjoints)
@@ -330,7 +330,6 @@ class _Built:
             {sources[n][1] for n in parts.residuals if sources[n][0] == "out"}
         )
         self.bw_sources = [sources[n] for n in parts.backward_inputs + parts.residuals]
-        self.n_seeds = len(seeds)
         self.seed_index = [user_outputs.index(n) for n in seeded]
         self.device = device
         self.fed = [i for i, n in enumerate(feed_names) if n not in baked]
@@ -506,10 +505,9 @@ def _refuse_known_wrong(model: onnx.ModelProto, targets, seeded) -> None:
 
 
 def _downsampling_align_corners(node, model) -> bool:
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    if attrs.get("coordinate_transformation_mode", b"half_pixel") != b"align_corners":
+    if attr(node, "coordinate_transformation_mode", "half_pixel") != "align_corners":
         return False
-    if attrs.get("mode", b"nearest") not in (b"linear", b"cubic") or len(node.input) < 3:
+    if attr(node, "mode", "nearest") not in ("linear", "cubic") or len(node.input) < 3:
         return False
     scales = next((i for i in model.graph.initializer if i.name == node.input[2]), None)
     return scales is not None and bool((onnx.numpy_helper.to_array(scales) < 1).any())

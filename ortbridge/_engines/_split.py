@@ -82,23 +82,23 @@ def split(
         raise ValueError(f"forward nodes depend on a seed: {bad[:5]}")
     zero = [a for a in adjoints if a not in seeded or _is_zeros(a, producer, nodes)]
     live = [a for a in adjoints if a not in zero]
+    forward_out = set()
+    for i in forward_idx:
+        forward_out.update(o for o in nodes[i].output if o)
     # The shape of a forward tensor is a few integers: computed in the forward
     # and saved, rather than the tensor saved for its shape.
-    available = {i.name for i in graph.input if i.name not in seeded}
-    for i in forward_idx:
-        available.update(nodes[i].output)
-    for idx in _ancestors(live, producer, nodes) - forward_idx:
+    available = forward_out | {i.name for i in graph.input if i.name not in seeded}
+    needed = _ancestors(live, producer, nodes)
+    for idx in needed - forward_idx:
         node = nodes[idx]
         if node.op_type in ("Shape", "Size") and node.input[0] in available:
             forward_idx.add(idx)
-    backward_idx = _ancestors(live, producer, nodes) - forward_idx
+            forward_out.update(node.output)
+    backward_idx = needed - forward_idx
 
     inits = {i.name: i for i in graph.initializer}
     graph_inputs = [i.name for i in graph.input]
     seed_set = set(seeds)
-    forward_out = set()
-    for i in forward_idx:
-        forward_out.update(o for o in nodes[i].output if o)
     backward_reads = _reads(nodes, backward_idx, live)
     # A layout op of graph inputs alone (a weight's Transpose) is redone in
     # the backward rather than saved: torch keeps the weight, not a copy.
