@@ -50,6 +50,13 @@ def main(argv=None) -> int:
     parser.add_argument("--every", type=int, default=50, help="a progress line every N cases")
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="results folder")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--backend",
+        default="onnxruntime",
+        choices=["onnxruntime", "training-agent", "auto"],
+        help="the engine checked (default onnxruntime; results/op_coverage_<engine>.* "
+        "for the others)",
+    )
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -72,6 +79,7 @@ def main(argv=None) -> int:
         timeout=args.timeout,
         quiet=True,
         progress=progress,
+        backend=args.backend,
     )
     elapsed = time.perf_counter() - start
     summary = _coverage.summary(results)
@@ -86,6 +94,7 @@ def main(argv=None) -> int:
         collect_seconds=round(collected, 1),
         expanded=not args.no_expanded,
         ops=ops,
+        backend=args.backend,
     )
     os.makedirs(args.out, exist_ok=True)
     payload = {
@@ -94,10 +103,13 @@ def main(argv=None) -> int:
         "op_types": _coverage.by_op_type(results),
         "cases": [r.as_dict() for r in results],
     }
-    json_path = os.path.join(args.out, "op_coverage.json")
+    stem = "op_coverage" + (
+        "" if args.backend == "onnxruntime" else "_" + args.backend.replace("-", "_")
+    )
+    json_path = os.path.join(args.out, stem + ".json")
     with open(json_path, "w") as f:
         f.write(_json(payload))
-    rst_path = os.path.join(args.out, "op_coverage.rst")
+    rst_path = os.path.join(args.out, stem + ".rst")
     with open(rst_path, "w") as f:
         f.write(_rst_header(summary, info))
         f.write(_coverage.rst_table(results))

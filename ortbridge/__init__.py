@@ -18,6 +18,7 @@ __all__ = [
     "OrtBridgeError",
     "add_loss_output",
     "get_train_initializer",
+    "gradcheck",
 ]
 
 # Public names resolved on first use: importing ortbridge stays cheap and
@@ -26,6 +27,7 @@ _LAZY = {
     "OnnxModule": "ortbridge.module",
     "add_loss_output": "ortbridge.losses",
     "get_train_initializer": "ortbridge.losses",
+    "gradcheck": "ortbridge._gradcheck",
     "training": "ortbridge.training",
 }
 

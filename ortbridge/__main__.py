@@ -21,6 +21,12 @@ def main(argv=None) -> int:
         choices=["auto", "training-agent", "onnxruntime"],
         help="the engine to try (default: auto, as OnnxModule)",
     )
+    inspect.add_argument(
+        "--check",
+        action="store_true",
+        help="compare the gradients with finite differences of onnxruntime inference "
+        "on random inputs (ortbridge.gradcheck)",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from ._demo import run_demo
@@ -34,7 +40,7 @@ def main(argv=None) -> int:
     from .exceptions import OrtBridgeError
 
     try:
-        return 0 if inspect_model(args.model, backend=args.backend) else 1
+        return 0 if inspect_model(args.model, backend=args.backend, check=args.check) else 1
     except OrtBridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

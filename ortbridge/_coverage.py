@@ -390,12 +390,12 @@ _TOLERANCES = {
 _SATURATED = 1e30
 
 
-def run_case(case: NodeCase, *, samples: int = 16) -> CaseResult:
-    """Check one case; never raises (failures are classified)."""
+def run_case(case: NodeCase, *, samples: int = 16, backend: str = "onnxruntime") -> CaseResult:
+    """Check one case through ``backend``'s engine; never raises (failures are classified)."""
     start = time.perf_counter()
     result = CaseResult(case.name, case.op_key, case.expanded, ERROR)
     try:
-        _check(case, result, samples)
+        _check(case, result, samples, backend)
     except _Skip as exc:
         result.status, result.detail = SKIPPED, str(exc)
     except _NoGradient as exc:
@@ -473,7 +473,7 @@ def _random_dropout(model: onnx.ModelProto) -> bool:
     return False
 
 
-def _check(case: NodeCase, result: CaseResult, samples: int) -> None:
+def _check(case: NodeCase, result: CaseResult, samples: int, backend: str) -> None:
     model32, names, values32 = _split_inputs(case)
     if _random_dropout(model32):
         raise _Skip("random: a training-mode Dropout's mask (torch's generator here)")
@@ -513,17 +513,22 @@ def _check(case: NodeCase, result: CaseResult, samples: int) -> None:
     picks = [_pick(v.size, samples, rng) for v in values]
     cotangents = [rng.standard_normal(np.shape(first[i])) for i in seeded]
     try:
-        layer = _module(model)
+        layer = _module(model, backend)
         check = _verify(layer, session, names, values, seeded, cotangents, picks, tol, case.outputs)
     except Exception as exc:
         # The engine's float64 graphs may need kernels an older onnxruntime
-        # lacks (its Cos or ReduceL2 in float64): the float32 case is the case.
-        if dtype != "float64" or model is model32 or "NOT_IMPLEMENTED" not in str(exc):
+        # lacks (its Cos or ReduceL2 in float64), or the engine may refuse
+        # float64 (the training build's LSTM gradient): the float32 case is the case.
+        refused = isinstance(exc, _Refused)
+        if dtype != "float64" or model is model32:
+            raise
+        if not refused and "NOT_IMPLEMENTED" not in str(exc):
             raise
         model, session, values, dtype = model32, session32, values32, "float32"
         result.dtype, tol = dtype, _TOLERANCES[dtype]
-        _add_note(result, "the engine's float64 graphs need kernels onnxruntime lacks: float32")
-        layer = _module(model)
+        why = f"refused in float64 ({exc})" if refused else "needs kernels onnxruntime lacks"
+        _add_note(result, f"the engine's float64 graph {why}: float32 checked")
+        layer = _module(model, backend)
         check = _verify(layer, session, names, values, seeded, cotangents, picks, tol, case.outputs)
     result.checked, result.max_error = check.checked, check.max_error
     result.grad_max = check.grad_max
@@ -614,11 +619,11 @@ def _delta(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(a == b, 0.0, a.astype(np.float64) - b.astype(np.float64))
 
 
-def _module(model: onnx.ModelProto):
+def _module(model: onnx.ModelProto, backend: str):
     from .module import OnnxModule
 
     try:
-        layer = OnnxModule(model, trainable=[], backend="onnxruntime")
+        layer = OnnxModule(model, trainable=[], backend=backend)
     except _REFUSALS() as exc:
         raise _Refused(_first_line(exc, 600)) from None
     return layer.train(_training_mode(model))
@@ -635,6 +640,9 @@ class _Check:
     checked: int = 0
     max_error: float = 0.0
     grad_max: float = 0.0
+    #: Largest absolute and relative (to the finite difference) disagreement.
+    abs_error: float = 0.0
+    rel_error: float = 0.0
     failure: str | None = None
     #: The failure is certain: in the outputs, or where the function is
     #: differentiable (else the point may be a kink or a discontinuity).
@@ -740,6 +748,8 @@ def _finite_differences(session, names, values, seeded, weights, base, picks, gr
             check.checked += 1
             check.grad_max = max(check.grad_max, abs(central))
             error = abs(got - central)
+            check.abs_error = max(check.abs_error, error)
+            check.rel_error = max(check.rel_error, error / max(abs(central), tol.atol))
             if error <= allowed:
                 check.max_error = max(check.max_error, error / allowed)
                 continue
@@ -851,7 +861,7 @@ def _diff(got, want) -> str:
 # -- many cases, in worker processes ------------------------------------------
 
 
-def _worker(conn, cases: Sequence[NodeCase], samples: int, quiet: bool) -> None:
+def _worker(conn, cases: Sequence[NodeCase], samples: int, quiet: bool, backend: str) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -863,7 +873,7 @@ def _worker(conn, cases: Sequence[NodeCase], samples: int, quiet: bool) -> None:
         index = conn.recv()
         if index is None:
             return
-        conn.send(run_case(cases[index], samples=samples).as_dict())
+        conn.send(run_case(cases[index], samples=samples, backend=backend).as_dict())
 
 
 def run_isolated(
@@ -874,6 +884,7 @@ def run_isolated(
     timeout: float = 300.0,
     quiet: bool = False,
     progress: Callable[[int, int, CaseResult], None] | None = None,
+    backend: str = "onnxruntime",
 ) -> list[CaseResult]:
     """Check ``cases`` in forked worker processes; a crash or a hang costs one case.
 
@@ -888,7 +899,9 @@ def run_isolated(
 
     def start():
         parent, child = context.Pipe()
-        process = context.Process(target=_worker, args=(child, cases, samples, quiet), daemon=True)
+        process = context.Process(
+            target=_worker, args=(child, cases, samples, quiet, backend), daemon=True
+        )
         process.start()
         child.close()
         return parent, process

@@ -8,8 +8,13 @@ from . import _graph
 from .exceptions import OrtBridgeError
 
 
-def inspect_model(path: str, out=None, backend: str = "auto") -> bool:
-    """Print inputs, outputs, initializers, the engine and whether it trains (True if so)."""
+def inspect_model(path: str, out=None, backend: str = "auto", check: bool = False) -> bool:
+    """Print inputs, outputs, initializers, the engine and whether it trains (True if so).
+
+    ``check``: also compare the gradients with finite differences
+    (:func:`ortbridge.gradcheck`) on random inputs of the graph's shapes, a
+    symbolic dimension taken as 2; True then also needs the check to pass.
+    """
     out = out if out is not None else sys.stdout
     from .module import OnnxModule
 
@@ -50,7 +55,30 @@ def inspect_model(path: str, out=None, backend: str = "auto") -> bool:
     )
     print(f"engine: {engine}", file=out)
     print(f"training: {verdict}", file=out)
+    if check and ok:
+        from ._gradcheck import gradcheck
+
+        report = gradcheck(module.eval(), *_random_inputs(summary.inputs))
+        print(report, file=out)
+        ok = report.passed
     return ok
+
+
+def _random_inputs(specs):
+    """Inputs of the declared shapes: floats from a normal law, other types zeros."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(0)
+    tensors = []
+    for spec in specs:
+        shape = [d if isinstance(d, int) else 2 for d in (spec.shape or [])]
+        if spec.dtype.kind == "f":
+            value = rng.standard_normal(shape).astype(spec.dtype)
+        else:
+            value = np.zeros(shape, dtype=spec.dtype)
+        tensors.append(torch.from_numpy(value))
+    return tensors
 
 
 def _shape(shape) -> str:

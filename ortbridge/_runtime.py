@@ -92,6 +92,9 @@ def to_ortvalues(tensors) -> object:
     vector = C.OrtValueVector()
     vector.reserve(len(tensors))
     for t in tensors:
+        if t.numel() == 0 or not t.is_contiguous():
+            # onnxruntime reads only row-major strides, an empty tensor's included.
+            t = t.contiguous() if t.numel() else t.new_empty(t.shape)
         if t.dtype == torch.bool:
             # torch exports bool as DLPack's kDLBool, which onnxruntime 1.19
             # refuses: hand it the same bytes as uint8, flagged bool.

@@ -26,12 +26,22 @@ class OnnxModelError(OrtBridgeError, ValueError):
 class NotDifferentiableError(OrtBridgeError, ValueError):
     """onnxruntime cannot build a gradient for a node of the graph.
 
-    ``unreachable`` names the tensor no gradient reaches, when that is the cause.
+    ``unreachable`` names the tensor no gradient reaches, when that is the
+    cause; ``node`` and ``op_type`` the node refused, when one is.
     """
 
-    def __init__(self, message: str, unreachable: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        unreachable: str | None = None,
+        *,
+        node: str | None = None,
+        op_type: str | None = None,
+    ):
         super().__init__(message)
         self.unreachable = unreachable
+        self.node = node
+        self.op_type = op_type
 
 
 class MissingDependencyError(OrtBridgeError, ImportError):

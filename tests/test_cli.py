@@ -75,3 +75,27 @@ def test_save_roundtrip(tmp_path):
     layer.save(tmp_path / "w.onnx")
     again = OnnxModule(tmp_path / "w.onnx")
     torch.testing.assert_close(again.weight, layer.weight)
+
+
+def test_inspect_check_compares_gradients_with_finite_differences(tmp_path, capsys):
+    path = tmp_path / "linear.onnx"
+    onnx.save(linear_model(3, 2), str(path))
+    assert main(["inspect", str(path), "--check"]) == 0
+    text = capsys.readouterr().out
+    assert "gradcheck (" in text and "): passed" in text
+    assert "weight  weight" in text and "x       input" in text
+
+
+def test_inspect_check_fails_on_a_wrong_gradient(tmp_path, capsys, monkeypatch):
+    from ortbridge import _gradcheck
+
+    real = _gradcheck._module_gradients
+
+    def wrong(*args):
+        return [g * 1.5 for g in real(*args)]
+
+    monkeypatch.setattr(_gradcheck, "_module_gradients", wrong)
+    path = tmp_path / "linear.onnx"
+    onnx.save(linear_model(3, 2), str(path))
+    assert main(["inspect", str(path), "--check"]) == 1
+    assert "FAILED" in capsys.readouterr().out

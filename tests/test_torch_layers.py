@@ -26,6 +26,7 @@ from conftest import ENGINES, export
 from torch import nn
 
 from ortbridge import OnnxModule, _ort
+from ortbridge.exceptions import NotDifferentiableError
 
 ORT = "onnxruntime"
 pytestmark = pytest.mark.skipif(ORT not in ENGINES, reason="onnx-ad is not installed")
@@ -132,6 +133,29 @@ class _UNet(nn.Module):
         return self.out(torch.cat([self.up(self.mid(self.pool(skip))), skip], 1))
 
 
+class _ConvSame(nn.Module):
+    """An even kernel with padding="same": TorchScript writes auto_pad=SAME_UPPER."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 4, padding="same")
+
+    def forward(self, x):
+        return torch.tanh(self.conv(x))
+
+
+class _SplitWeight(nn.Module):
+    """torch.split of a weight (dynamo: SplitToSequence + SequenceAt)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(7, 4))
+
+    def forward(self, x):
+        a, b = torch.split(self.w, [3, 4])
+        return x @ a.T, torch.tanh(x @ b.T)
+
+
 def _padding_mask(batch, length):
     mask = torch.zeros(batch, length, dtype=torch.bool)
     mask[0, -2:] = True  # the first sequence's last two positions are padding
@@ -183,6 +207,8 @@ _LAYERS = {
         lambda: (torch.randn(2, 2, 3, 4),),
     ),
     "unet-block-train-mode": (_UNet, lambda: (torch.randn(2, 2, 8, 8),)),
+    "conv2d-padding-same": (_ConvSame, lambda: (torch.randn(2, 2, 7, 7),)),
+    "split-of-a-weight": (_SplitWeight, lambda: (torch.randn(3, 4),)),
 }
 
 #: Layers run in train mode (BatchNorm on batch statistics, running statistics updated).
@@ -219,9 +245,7 @@ def _export(model, inputs, exporter, train):
     return onnx.load_from_string(buffer.getvalue())
 
 
-@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
-@pytest.mark.parametrize("name", list(_LAYERS))
-def test_torch_layer_trains_with_torch_gradients(name, exporter):
+def _exported(name, exporter):
     factory, make_inputs = _LAYERS[name]
     torch.manual_seed(0)
     model = factory()
@@ -231,11 +255,42 @@ def test_torch_layer_trains_with_torch_gradients(name, exporter):
     train = name in _TRAIN_MODE
     model.train(train)
     inputs = make_inputs()
-    proto = _export(model, inputs, exporter, train)
+    return model, inputs, _export(model, inputs, exporter, train), train
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("name", list(_LAYERS))
+def test_torch_layer_trains_with_torch_gradients(name, exporter):
+    model, inputs, proto, train = _exported(name, exporter)
     layer = OnnxModule(proto).train(train)
     if _ort.has_training() and name.startswith(_ONNXRUNTIME_ENGINE):
         assert layer.backend == ORT, layer.backend_reason
     _compare(model, layer, inputs)
+
+
+#: Layers the training agent itself trains (after its rewrites); it refuses the others by name.
+_TRAINING_AGENT_TRAINS = (
+    "mha",
+    "transformer-decoder-layer",
+    "conv2d-padding-same",
+    "split-of-a-weight",
+)
+
+
+@pytest.mark.skipif(not _ort.has_training(), reason="needs onnxruntime-training")
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("name", list(_LAYERS))
+def test_torch_layer_on_the_training_agent_trains_or_is_refused_by_name(name, exporter):
+    model, inputs, proto, train = _exported(name, exporter)
+    try:
+        layer = OnnxModule(proto, backend="training-agent").train(train)
+        _compare(model, layer, inputs)
+    except NotDifferentiableError as exc:
+        assert not name.startswith(_TRAINING_AGENT_TRAINS), str(exc)
+        assert exc.node and exc.op_type, str(exc)
+        assert f"(op type {exc.op_type})" in str(exc) and ".cc:" not in str(exc)
+        return
+    assert name.startswith(_TRAINING_AGENT_TRAINS) or name.startswith("mha"), name
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import onnx
 
 from .. import _ort
-from .._onnx_utils import attr
 from ..exceptions import MissingDependencyError, OnnxInputError
 
 TRAINING_AGENT = "training-agent"
@@ -28,44 +27,16 @@ ONNXRUNTIME = "onnxruntime"
 AUTO = "auto"
 BACKENDS = (AUTO, TRAINING_AGENT, ONNXRUNTIME)
 
-# Node configurations the training build's gradient builder must never see:
-# it crashes on them, gets them silently wrong, or writes a gradient graph
-# with no CPU kernel. Under "auto" they go to the onnxruntime engine.
-_BUILDER_AVOIDS = {
-    "Loop": "crashes the gradient builder (SIGSEGV/abort)",
-    "Scan": "has no gradient in the training build",
-    "ConvTranspose": "its gradient has no CPU kernel in the training build",
-    "Resize": "its gradient has no CPU kernel in the training build",
-    "SplitToSequence": "makes the training build call weights unreachable",
-    "GridSample": "has no gradient in the training build",
-}
-
 
 def builder_avoids(model: onnx.ModelProto) -> str | None:
-    """Why the training build's builder must not differentiate ``model`` (None: it may)."""
-    for node in model.graph.node:
-        reason = _BUILDER_AVOIDS.get(node.op_type)
-        if node.op_type in ("Conv", "AveragePool", "MaxPool") and str(
-            attr(node, "auto_pad", "NOTSET")
-        ).startswith("SAME"):
-            reason = "auto_pad=SAME_* gets a wrong gradient from the training build"
-        elif node.op_type in ("ScatterND", "ScatterElements") and attr(
-            node, "reduction", "none"
-        ) not in ("none",):
-            reason = "a reduction gets a wrong gradient from the training build"
-        elif node.op_type == "LSTM" and attr(node, "direction", "forward") == "bidirectional":
-            reason = "a bidirectional LSTM's gradient has no CPU kernel in the training build"
-        elif node.op_type == "AveragePool" and (
-            any(attr(node, "pads", []) or [])
-            or any(d != 1 for d in attr(node, "dilations", []) or [])
-            or len(attr(node, "kernel_shape", []) or []) == 3
-        ):
-            reason = "pads, dilations or a 3-D window get a wrong gradient from the training build"
-        elif node.op_type == "MaxPool" and len(node.output) > 1 and node.output[1]:
-            reason = "its indices output gets a wrong gradient from the training build"
-        if reason:
-            return f"node {node.name!r} ({node.op_type}): {reason}"
-    return None
+    """Why the training build's builder must not differentiate ``model`` (None: it may).
+
+    The table of :mod:`._builder_limits`, after its rewrites.
+    """
+    from . import _builder_limits
+
+    found = _builder_limits.first_limit(_builder_limits.rewrite_for_builder(model))
+    return None if found is None else _builder_limits.describe(*found)
 
 
 def onnxruntime_engine_available() -> bool:

@@ -27,8 +27,14 @@ import torch
 
 from .. import _ort
 from .._onnx_utils import attr
+from .._ort_errors import translate
 from .._runtime import _session, from_ortvalues, ort_device, to_ortvalues
-from ..exceptions import MissingDependencyError, NotDifferentiableError, OrtBridgeError
+from ..exceptions import (
+    MissingDependencyError,
+    NotDifferentiableError,
+    OnnxModelError,
+    OrtBridgeError,
+)
 from . import _split, _train_ops
 from ._optimize import optimize_reverse
 from ._rules import own_rules
@@ -281,6 +287,7 @@ class _Built:
             _set_static(m, static)
         n_user = len(m.graph.output)
         stat_outputs, self.masks = _train_ops.lower_training_nodes(m, batch_norms)
+        _refuse_old_ceil_pools(m)  # before _prepare rewrites the pools
         _prepare(m)
         _declare_outputs(m)
         if static is None and any(
@@ -339,13 +346,10 @@ class _Built:
         self.fw_outputs = fw_outputs
         self.bw_inputs = [i.name for i in parts.backward.graph.input]
         self.bw_outputs = [o.name for o in parts.backward.graph.output]
-        self.fw_session, self.fw_pinning = _session(
-            parts.forward, device, session_options, providers
-        )
+        loading = (device, session_options, providers)
+        self.fw_session, self.fw_pinning = _load(parts.forward, "forward", *loading)
         if self.bw_outputs:
-            self.bw_session, self.bw_pinning = _session(
-                parts.backward, device, session_options, providers
-            )
+            self.bw_session, self.bw_pinning = _load(parts.backward, "backward", *loading)
         else:  # no gradient reaches anything: nothing to run backward
             self.bw_session = self.bw_pinning = None
         self.split = parts
@@ -364,7 +368,8 @@ class _Built:
                 self._run_options, names, to_ortvalues(tensors), out_names, outputs, devices
             )
         except Exception as exc:
-            raise OrtBridgeError(f"onnxruntime failed in the {where} pass: {exc}") from exc
+            graph = self.split.forward if where == "forward" else self.split.backward
+            raise translate(exc, f"run the {where} pass", graph) from exc
         return from_ortvalues(outputs)
 
     def _draw_masks(self, tensors):
@@ -467,6 +472,15 @@ def _bake(model: onnx.ModelProto, values: dict) -> None:
         model.graph.initializer.append(onnx.numpy_helper.from_array(value, name))
 
 
+def _load(model, part, device, session_options, providers):
+    try:
+        return _session(model, device, session_options, providers)
+    except OnnxModelError as exc:
+        raise translate(
+            exc.__cause__ or exc, f"load the {part} graph", model, refuse="onnxruntime"
+        ) from exc
+
+
 def _refuse_known_wrong(model: onnx.ModelProto, targets, seeded) -> None:
     """Refuse, by name, a node onnx-ad would differentiate silently wrong.
 
@@ -500,7 +514,25 @@ def _refuse_known_wrong(model: onnx.ModelProto, targets, seeded) -> None:
         if reason:
             raise NotDifferentiableError(
                 f"the onnxruntime engine cannot differentiate node {node.name!r} "
-                f"(op type {node.op_type}) correctly: {reason}; freeze what lies before it"
+                f"(op type {node.op_type}) correctly: {reason}; freeze what lies before it",
+                node=node.name,
+                op_type=node.op_type,
+            )
+
+
+def _refuse_old_ceil_pools(model: onnx.ModelProto) -> None:
+    """onnxruntime < 1.20 sizes ceil-mode pools unlike the rewrite of :func:`_prepare`."""
+    for node in model.graph.node:
+        if node.op_type != "AveragePool" or not attr(node, "ceil_mode", 0):
+            continue
+        if attr(node, "count_include_pad", 0) and _ort.version() < (1, 20):
+            raise NotDifferentiableError(
+                f"the onnxruntime engine cannot differentiate node {node.name!r} (op type "
+                "AveragePool) correctly on onnxruntime before 1.20: with ceil_mode and "
+                "count_include_pad its last window may start in the end padding and is "
+                "counted there; use onnxruntime 1.20 or later",
+                node=node.name,
+                op_type=node.op_type,
             )
 
 

@@ -17,8 +17,10 @@ import torch
 from .. import _ort
 from .._gradient_rewrites import rewrite_gradient
 from .._graph import batch_var_from_inv_std, unbiased_running_var
+from .._ort_errors import translate
 from .._runtime import SessionHolder, _session, from_ortvalues, ort_device, to_ortvalues
 from ..exceptions import NotDifferentiableError, OnnxModelError, OrtBridgeError
+from . import _builder_limits
 
 NAME = "training-agent"
 
@@ -63,6 +65,9 @@ class GradientGraph(SessionHolder):
         batch_norm_nodes=(),
         caller_order: list[str] | None = None,
     ):
+        # What the builder gets wrong or crashes on is rewritten or refused first.
+        model = _builder_limits.rewrite_for_builder(model)
+        _builder_limits.refuse_limits(model, [*weights_to_train, *inputs_requiring_grad])
         C = _capi()
         cfg = C.OrtModuleGraphBuilderConfiguration()
         cfg.initializer_names = list(weight_names)
@@ -76,7 +81,7 @@ class GradientGraph(SessionHolder):
             builder.initialize(model.SerializeToString(), cfg)
             builder.build(C.TrainingGraphTransformerConfiguration())
         except Exception as exc:
-            raise _builder_error(exc) from exc
+            raise _builder_error(exc, model) from exc
         info = builder.get_graph_info()
         gradient = onnx.load_from_string(builder.get_gradient_model())
         self.n_user_outputs = len(info.user_output_names)
@@ -100,7 +105,13 @@ class GradientGraph(SessionHolder):
         self.feed_order = None if order == list(range(len(position))) else order
         self.grad_slots = [position[n] for n in self.grad_targets]
         self.gradient_model = gradient
-        self.session, self.pinning = _session(gradient, device, session_options, providers)
+        try:
+            self.session, self.pinning = _session(gradient, device, session_options, providers)
+        except OnnxModelError as exc:
+            raise translate(
+                exc.__cause__ or exc, "load the gradient graph", model, refuse=NAME
+            ) from exc
+        self._forward_model = model  # names the node of a failure at run time
         dev = ort_device(device)
         n_fw = self.n_user_outputs + len(self.batch_norm_outputs)
         self.agent = C.TrainingAgent(
@@ -129,7 +140,7 @@ class GradientGraph(SessionHolder):
         try:
             self.agent.run_forward(inputs, outputs, state, None)
         except Exception as exc:
-            raise OrtBridgeError(f"onnxruntime failed in the forward pass: {exc}") from exc
+            raise translate(exc, "run the forward pass", self._forward_model) from exc
         # The forward outputs live in the execution state's planned memory
         # (memory patterns), which backward reuses and then frees: torch gets
         # its own copy. Copying an output is far cheaper than running without
@@ -153,19 +164,21 @@ class GradientGraph(SessionHolder):
         try:
             self.agent.run_backward(inputs, outputs, state)
         except Exception as exc:
-            raise OrtBridgeError(f"onnxruntime failed in the backward pass: {exc}") from exc
+            raise translate(exc, "run the backward pass", self._forward_model) from exc
         return from_ortvalues(outputs)
 
 
-def _builder_error(exc: Exception) -> Exception:
+def _builder_error(exc: Exception, model: onnx.ModelProto) -> Exception:
     text = str(exc)
     match = _NOT_REGISTERED.search(text)
     if match:
         op_type, node = match.groups()
         return NotDifferentiableError(
-            f"onnxruntime cannot differentiate node {node!r} (op type {op_type}): it has no "
-            "registered gradient. Freeze the weights before it, or rewrite the node with "
-            "differentiable ops"
+            f"the training-agent engine cannot train node {node!r} (op type {op_type}): "
+            'onnxruntime-training 1.19.2 has no gradient for it. backend="onnxruntime" (or '
+            '"auto") may train it, or freeze the weights before it',
+            node=node,
+            op_type=op_type,
         )
     match = _MISSING_GRAD.search(text)
     if match:
@@ -174,7 +187,7 @@ def _builder_error(exc: Exception) -> Exception:
             f"no gradient reaches {name!r}: it cannot be trained or require grad",
             unreachable=name,
         )
-    return OnnxModelError(f"onnxruntime could not build the gradient graph: {text}")
+    return translate(exc, "build the gradient graph", model, refuse=NAME)
 
 
 def _expose_running_stats(gradient: onnx.ModelProto, batch_norm_nodes) -> list[str]:

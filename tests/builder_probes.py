@@ -1,0 +1,136 @@
+"""Graphs showing a defect of the training build's gradient builder, beside ONNX's node cases.
+
+Each entry of :data:`ortbridge._engines._builder_limits.LIMITS` names its
+probe: a case of ONNX's node suite, or a function here building one as a
+:class:`~ortbridge._coverage.NodeCase` (float inputs are what the gradient
+is taken of; weights are inputs too, as :mod:`ortbridge._coverage` wants).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+from ortbridge import _coverage
+
+
+def _case(name, op_type, nodes, inputs, values, outputs, opset=18, initializers=(), shapes=None):
+    shapes = shapes or [None] * len(outputs)
+    graph = h.make_graph(
+        nodes,
+        name,
+        [h.make_tensor_value_info(n, T.FLOAT, list(v.shape)) for n, v in zip(inputs, values)],
+        [h.make_tensor_value_info(o, T.FLOAT, s) for o, s in zip(outputs, shapes)],
+        list(initializers),
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
+    model.ir_version = 9
+    model = onnx.shape_inference.infer_shapes(model)
+    reference = _coverage._reference_session(model).run(None, dict(zip(inputs, values)))
+    return _coverage.NodeCase(name, op_type, "", False, model, list(values), list(reference))
+
+
+def _random(*shape):
+    return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+
+def loop_of_weight():
+    """A Loop summing rows of a weight (as nn.EmbeddingBag's export does)."""
+    body = h.make_graph(
+        [
+            h.make_node("Gather", ["w", "i"], ["row"], axis=0),
+            h.make_node("Add", ["acc_in", "row"], ["acc_out"]),
+            h.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [
+            h.make_tensor_value_info("i", T.INT64, []),
+            h.make_tensor_value_info("cond_in", T.BOOL, []),
+            h.make_tensor_value_info("acc_in", T.FLOAT, [3]),
+        ],
+        [
+            h.make_tensor_value_info("cond_out", T.BOOL, []),
+            h.make_tensor_value_info("acc_out", T.FLOAT, [3]),
+        ],
+    )
+    init = [
+        nh.from_array(np.array(4, np.int64), "trips"),
+        nh.from_array(np.array(True), "cond"),
+    ]
+    nodes = [
+        h.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body),
+    ]
+    return _case(
+        "loop_of_weight", "Loop", nodes, ["x", "w"], [_random(3), _random(4, 3)], ["y"],
+        initializers=init, shapes=[[3]],
+    )  # fmt: skip
+
+
+def bidirectional_lstm():
+    x, w, r = _random(3, 2, 4), _random(2, 20, 4) * 0.3, _random(2, 20, 5) * 0.3
+    node = h.make_node("LSTM", ["x", "w", "r"], ["y"], hidden_size=5, direction="bidirectional")
+    return _case("bidirectional_lstm", "LSTM", [node], ["x", "w", "r"], [x, w, r], ["y"])
+
+
+def split_to_sequence_of_weight():
+    """A weight split into a sequence read at a computed position (the rewrite needs constants)."""
+    nodes = [
+        h.make_node("SplitToSequence", ["w"], ["s"], axis=0),
+        h.make_node("Size", ["x"], ["n"]),
+        h.make_node("Sub", ["n", "five"], ["one"]),
+        h.make_node("SequenceAt", ["s", "one"], ["row"]),
+        h.make_node("Mul", ["x", "row"], ["y"]),
+    ]
+    init = [nh.from_array(np.array(5, np.int64), "five")]
+    return _case(
+        "split_to_sequence_of_weight", "SplitToSequence", nodes, ["x", "w"],
+        [_random(2, 3), _random(2, 3)], ["y"], initializers=init,
+    )  # fmt: skip
+
+
+def split_with_unread_output():
+    """A weight split in two, only the second part read."""
+    nodes = [
+        h.make_node("Split", ["w", "sizes"], ["first", "second"], axis=0),
+        h.make_node("Mul", ["x", "second"], ["y"]),
+    ]
+    init = [nh.from_array(np.array([1, 1], np.int64), "sizes")]
+    return _case(
+        "split_with_unread_output", "Split", nodes, ["x", "w"], [_random(2, 3), _random(2, 3)],
+        ["y"], initializers=init,
+    )  # fmt: skip
+
+
+def reduce_l2_opset17():
+    nodes = [
+        h.make_node("Mul", ["x", "w"], ["t"]),
+        h.make_node("ReduceL2", ["t"], ["y"], axes=[1], keepdims=0),
+    ]
+    return _case(
+        "reduce_l2_opset17", "ReduceL2", nodes, ["x", "w"], [_random(2, 3), _random(2, 3)],
+        ["y"], opset=17,
+    )  # fmt: skip
+
+
+def scatter_elements_reduction_add():
+    nodes = [
+        h.make_node("ScatterElements", ["x", "idx", "u"], ["y"], axis=1, reduction="add"),
+    ]
+    init = [nh.from_array(np.array([[0, 0, 2], [1, 1, 1]], np.int64), "idx")]
+    return _case(
+        "scatter_elements_reduction_add", "ScatterElements", nodes, ["x", "u"],
+        [_random(2, 4), _random(2, 3)], ["y"], initializers=init,
+    )  # fmt: skip
+
+
+def probe(name: str, suite=None) -> _coverage.NodeCase:
+    """The probe ``name``: a function here, else a node case (``suite``: cases collected)."""
+    if name in globals() and callable(globals()[name]):
+        return globals()[name]()
+    cases = suite if suite is not None else _coverage.node_cases()
+    found = [c for c in cases if c.name == name]
+    assert found, f"no node test case named {name!r} in this onnx"
+    return found[0]
