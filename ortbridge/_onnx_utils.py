@@ -114,3 +114,21 @@ def node_reads(node: onnx.NodeProto) -> list[str]:
             for g in attr.graphs:
                 names.extend(sorted(subgraph_reads(g)))
     return names
+
+
+def gradient_path(model: onnx.ModelProto, targets, outputs) -> list[onnx.NodeProto]:
+    """Nodes between a tensor in ``targets`` and one of ``outputs``, in graph order."""
+    nodes = list(model.graph.node)
+    reached = set(targets)
+    for node in nodes:
+        if any(n in reached for n in node_reads(node)):
+            reached.update(node.output)
+    needed = set(outputs)
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            needed.update(node_reads(node))
+    return [
+        node
+        for node in nodes
+        if any(o in needed for o in node.output) and any(n in reached for n in node_reads(node))
+    ]

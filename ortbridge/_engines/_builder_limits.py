@@ -26,7 +26,7 @@ from collections.abc import Callable
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from .._onnx_utils import attr, node_reads
+from .._onnx_utils import attr, gradient_path, node_reads
 
 WRONG = "silently wrong gradient"
 CRASH = "kills the process"
@@ -272,10 +272,11 @@ def limits_of(node: onnx.NodeProto, facts: _Facts) -> list[Limit]:
 
 def first_limit(model: onnx.ModelProto, nodes=None) -> tuple[onnx.NodeProto, Limit] | None:
     """The first node of ``nodes`` (default: all) under an entry, with the entry."""
-    if not _GUARDED:
-        return None
+    nodes = list(model.graph.node if nodes is None else nodes)
+    if not _GUARDED or not any(node.op_type in _BY_OP for node in nodes):
+        return None  # no shape inference for a graph the table cannot concern
     facts = _Facts(model)
-    for node in model.graph.node if nodes is None else nodes:
+    for node in nodes:
         found = limits_of(node, facts)
         if found:
             return node, found[0]
@@ -296,24 +297,6 @@ _VERBS = {
     NO_KERNEL: "writes a gradient with no CPU kernel for it",
     FAILS: "fails on it",
 }
-
-
-def gradient_path(model: onnx.ModelProto, targets, outputs) -> list[onnx.NodeProto]:
-    """Nodes between a tensor in ``targets`` and one of ``outputs``, in graph order."""
-    nodes = list(model.graph.node)
-    reached = set(targets)
-    for node in nodes:
-        if any(n in reached for n in node_reads(node)):
-            reached.update(node.output)
-    needed = set(outputs)
-    for node in reversed(nodes):
-        if any(o in needed for o in node.output):
-            needed.update(node_reads(node))
-    return [
-        node
-        for node in nodes
-        if any(o in needed for o in node.output) and any(n in reached for n in node_reads(node))
-    ]
 
 
 def refuse_limits(model: onnx.ModelProto, targets) -> None:

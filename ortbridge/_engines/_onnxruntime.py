@@ -26,7 +26,7 @@ import onnx
 import torch
 
 from .. import _ort
-from .._onnx_utils import attr
+from .._onnx_utils import attr, gradient_path
 from .._ort_errors import translate
 from .._runtime import _session, from_ortvalues, ort_device, to_ortvalues
 from ..exceptions import (
@@ -489,24 +489,15 @@ def _refuse_known_wrong(model: onnx.ModelProto, targets, seeded) -> None:
     """
     from .._ad_rewrites import known_wrong
 
-    nodes = list(model.graph.node)
-    reached = set(targets)
-    for node in nodes:
-        if any(n in reached for n in _split.node_reads(node)):
-            reached.update(node.output)
-    needed = set(seeded)
-    for node in reversed(nodes):
-        if any(o in needed for o in node.output):
-            needed.update(_split.node_reads(node))
-    for node in nodes:
-        on_path = any(o in needed for o in node.output) and any(
-            n in reached for n in _split.node_reads(node)
-        )
-        reason = known_wrong(node) if on_path else None
-        if on_path and node.op_type == "OneHot" and len(node.input) > 2:
-            if node.input[2] in reached:
-                reason = "onnx-ad 0.3.0 gives OneHot's values a zero derivative"
-        if on_path and node.op_type == "Resize" and _downsampling_align_corners(node, model):
+    path = gradient_path(model, targets, seeded)
+    # Tensors a gradient reaches: the targets and what the path's nodes write
+    # (an input of a node on the path that a gradient reaches is one of these).
+    reached = set(targets).union(*(node.output for node in path))
+    for node in path:
+        reason = known_wrong(node)
+        if node.op_type == "OneHot" and len(node.input) > 2 and node.input[2] in reached:
+            reason = "onnx-ad 0.3.0 gives OneHot's values a zero derivative"
+        if node.op_type == "Resize" and _downsampling_align_corners(node, model):
             reason = (
                 "onnx-ad 0.3.0's gradient is wrong for a linear or cubic Resize with "
                 "align_corners that shrinks an axis by its scales; give sizes instead"
