@@ -1,4 +1,5 @@
-"""Fit the same MLP with scikit-learn's MLPRegressor and ortbridge's OnnxSGDRegressor.
+"""Fit the same MLP with scikit-learn's MLPRegressor and ortbridge's OnnxSGDRegressor,
+on both onnxruntimes, with both gradient sources.
 
 Compared, in one process, on the same data, the same starting weights and the
 same hyperparameters (SGD, constant learning rate, Nesterov momentum, no
@@ -6,28 +7,36 @@ penalty):
 
 - ``scikit-learn``: ``MLPRegressor(hidden_layer_sizes=(50, 10), solver="sgd")``,
   forward, backward and update in numpy;
-- ``ortbridge``: :class:`ortbridge.training.OnnxSGDRegressor` on the ONNX
-  conversion (skl2onnx) of that network: an epoch is one onnxruntime call
-  (forward, loss, backward and update of every batch in a ``Loop``);
+- ``OnnxSGDRegressor``: :class:`ortbridge.training.OnnxSGDRegressor` on the
+  ONNX conversion (skl2onnx) of that network: an epoch is one onnxruntime call
+  (forward, loss, backward and update of every batch in a ``Loop``), once per
+  gradient source installed: ``builder`` (onnxruntime-training's gradient
+  builder, training build only) and ``onnx-ad`` (onnx-ad's standard-op
+  reverse graph, any onnxruntime);
 - ``full graph`` (reference, ``--no-full-graph`` to leave it out):
   :class:`ortbridge.training.OrtFullGraphTrainer`, forward, loss, backward and
-  update in one onnxruntime call a batch, set up to take scikit-learn's steps;
+  update in one onnxruntime call a batch, set up to take scikit-learn's steps,
+  on each gradient source;
 - ``batch by batch`` (reference, ``--by-batch``): the estimator's path for
   models with BatchNormalization, ``OnnxModule`` forward and backward then one
   update call, three onnxruntime calls a batch.
 
+The runtime axis: all of it is measured in the environment the script runs
+in, then in the other one (the training build's against maintained
+onnxruntime's, run with that environment's python: :mod:`_runtime_axis`),
+each against its own scikit-learn time, and printed side by side.
+
 All start from an ``MLPRegressor`` fitted for one epoch (then converted); by
 default none shuffles, so all see the batches in the same order and must
 end at the same loss (the estimator follows scikit-learn's update rule).
-``ortbridge`` is timed in two parts: building the training graph and the first
-epoch, then the remaining epochs; a last fit measures the share of its time
-spent inside onnxruntime's calls.
+A last fit of the estimator as ``backend="auto"`` sets it up measures the
+share of its time spent inside onnxruntime's calls.
 
 Hypothesis: onnxruntime's kernels are not slower than numpy's, so the ratio is
 set by the fixed costs of a batch: calls into onnxruntime, Python, and the
 nodes of the graph, each a microsecond or so of dispatch. The target is
-ortbridge <= 0.5x scikit-learn's time at an equal or better loss; onnxcustom's
-original fallback training was about 0.95x.
+ortbridge <= 0.5x scikit-learn's time at an equal or better loss, in both
+environments; onnxcustom's original fallback training was about 0.95x.
 
     python benchmarks/bench_sklearn.py --rows 1000 --features 100 --batch 15 --epochs 100
 """
@@ -36,13 +45,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import platform
 import statistics
 import time
 import warnings
 
+import _runtime_axis
 import numpy as np
 import onnxruntime
 import sklearn
@@ -57,7 +64,7 @@ from ortbridge.training import OnnxSGDRegressor, OrtFullGraphTrainer, OrtSGD
 from ortbridge.training._epoch_graph import EpochGraph
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--features", type=int, default=100)
@@ -76,7 +83,8 @@ def parse_args():
         "--by-batch", action="store_true", help="add the estimator's batch-by-batch path"
     )
     parser.add_argument("--output", help="write the figures as JSON to this file")
-    return parser.parse_args()
+    _runtime_axis.add_arguments(parser)
+    return parser.parse_args(argv)
 
 
 def data(rows, features, seed=0):
@@ -120,8 +128,8 @@ def time_sklearn(start_mlp, X, y, epochs):
     return elapsed, float(mlp.loss_)
 
 
-def time_ortbridge(onx, X, y, epochs, hyper, cls=OnnxSGDRegressor):
-    reg = cls(onx, max_iter=1, **hyper)
+def time_ortbridge(onx, X, y, epochs, hyper, backend, cls=OnnxSGDRegressor):
+    reg = cls(onx, max_iter=1, backend=backend, **hyper)
     begin = time.perf_counter()
     reg.fit(X, y)
     first = time.perf_counter() - begin
@@ -133,7 +141,7 @@ def time_ortbridge(onx, X, y, epochs, hyper, cls=OnnxSGDRegressor):
     return first, rest, float(reg.loss_), reg
 
 
-def time_full_graph(onx, X, y, epochs, args):
+def time_full_graph(onx, X, y, epochs, args, backend):
     """The reference one-call-a-step path on the same trajectory.
 
     ``OrtFullGraphTrainer`` follows torch: its ``squared_error`` is the mean of
@@ -150,6 +158,7 @@ def time_full_graph(onx, X, y, epochs, args):
         shuffle=args.shuffle,
         random_state=0,
         optimizer_params={"momentum": args.momentum, "nesterov": True},
+        backend=backend,
     )
     begin = time.perf_counter()
     trainer.fit(X, y.reshape(-1, 1))
@@ -169,7 +178,7 @@ class _ByBatch(OnnxSGDRegressor):
         return None
 
 
-def time_in_onnxruntime(onx, X, y, epochs, hyper):
+def time_in_onnxruntime(onx, X, y, epochs, hyper, backend):
     """Seconds a fit spends inside the epoch graphs' onnxruntime calls, and in all."""
     spent = []
     run = EpochGraph.run
@@ -181,7 +190,7 @@ def time_in_onnxruntime(onx, X, y, epochs, hyper):
         finally:
             spent.append(time.perf_counter() - begin)
 
-    reg = OnnxSGDRegressor(onx, max_iter=1, **hyper).fit(X, y)
+    reg = OnnxSGDRegressor(onx, max_iter=1, backend=backend, **hyper).fit(X, y)
     reg.set_params(warm_start=True, max_iter=epochs)
     EpochGraph.run = timed
     try:
@@ -193,10 +202,16 @@ def time_in_onnxruntime(onx, X, y, epochs, hyper):
     return sum(spent), total
 
 
-def main():
-    args = parse_args()
+#: Gradient sources (``backend``) and how the tables name them.
+SOURCES = {"training-agent": "builder", "onnxruntime": "onnx-ad"}
+
+
+def measure(args) -> dict:
+    """This environment's part: every way on every gradient source installed here."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    here = _runtime_axis.runtime()
+    sources = [s for s in SOURCES if here["training_build"] or s == "onnxruntime"]
     hidden = tuple(int(h) for h in args.hidden.split(","))
     X, y = data(args.rows, args.features)
     hyper = hyperparameters(args)
@@ -205,76 +220,28 @@ def main():
     # a cost of the process, not of a fit, paid here before any timing.
     OrtSGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
-    runs = {"sklearn": [], "first": [], "rest": [], "full_graph": [], "by_batch": []}
-    losses = {}
+    runs, losses, firsts = {}, {}, {}
     for _ in range(args.repeat):
         elapsed, losses["sklearn"] = time_sklearn(mlp, X, y, args.epochs)
-        runs["sklearn"].append(elapsed)
-        first, rest, losses["ortbridge"], reg = time_ortbridge(onx, X, y, args.epochs, hyper)
-        runs["first"].append(first)
-        runs["rest"].append(rest)
-        if not args.no_full_graph:
-            fg_first, fg_rest, losses["full_graph"] = time_full_graph(onx, X, y, args.epochs, args)
-            runs["full_graph"].append(fg_first + fg_rest)
+        runs.setdefault("sklearn", []).append(elapsed)
+        for source in sources:
+            way = f"estimator/{source}"
+            first, rest, losses[way], _ = time_ortbridge(onx, X, y, args.epochs, hyper, source)
+            runs.setdefault(way, []).append(first + rest)
+            firsts.setdefault(way, []).append(first)
+            if not args.no_full_graph:
+                way = f"full_graph/{source}"
+                first, rest, losses[way] = time_full_graph(onx, X, y, args.epochs, args, source)
+                runs.setdefault(way, []).append(first + rest)
         if args.by_batch:
             first, rest, losses["by_batch"], _ = time_ortbridge(
-                onx, X, y, args.epochs, hyper, _ByBatch
+                onx, X, y, args.epochs, hyper, "auto", _ByBatch
             )
-            runs["by_batch"].append(first + rest)
-    med = {k: statistics.median(v) for k, v in runs.items() if v}
-    sk, first, rest = med["sklearn"], med["first"], med["rest"]
-    epoch = rest / max(args.epochs - 1, 1)
-    sk_epoch = sk / args.epochs
-
-    print(
-        f"MLP {args.features}-{'-'.join(map(str, hidden))}-1, {args.rows} rows, "
-        f"batch {args.batch}, {args.epochs} epochs, shuffle={args.shuffle}, "
-        f"median of {args.repeat} runs"
-    )
-    print(f"{'':28s} {'time (s)':>10s} {'final loss':>12s} {'ratio':>7s}")
-    print(f"{'scikit-learn MLPRegressor':28s} {sk:10.3f} {losses['sklearn']:12.6f} {1:7.2f}")
-    total = first + rest
-    print(
-        f"{'ortbridge OnnxSGDRegressor':28s} {total:10.3f} {losses['ortbridge']:12.6f} "
-        f"{total / sk:7.2f}"
-    )
-    print(f"{'  build + first epoch':28s} {first:10.3f}")
-    print(f"{'  one epoch':28s} {epoch:10.4f} {'':12s} {epoch / sk_epoch:7.2f}")
-    if "full_graph" in med:
-        fg = med["full_graph"]
-        print(
-            f"{'full graph (reference)':28s} {fg:10.3f} {losses['full_graph']:12.6f} {fg / sk:7.2f}"
-        )
-    if "by_batch" in med:
-        bb = med["by_batch"]
-        print(
-            f"{'batch by batch (reference)':28s} {bb:10.3f} {losses['by_batch']:12.6f} "
-            f"{bb / sk:7.2f}"
-        )
-    n_batches = -(-args.rows // args.batch)
-    in_ort, fit_s = time_in_onnxruntime(onx, X, y, args.epochs, hyper)
-    per_batch = fit_s / (args.epochs * n_batches) * 1e6
-    print(
-        f"a batch (us): scikit-learn {sk_epoch / n_batches * 1e6:.0f}; ortbridge "
-        f"{per_batch:.0f}, of which {in_ort / fit_s:.0%} in onnxruntime's calls"
-    )
-    figures = {
-        "args": vars(args),
-        "sklearn_s": sk,
-        "ortbridge_s": total,
-        "ortbridge_build_and_first_epoch_s": first,
-        "ratio": total / sk,
-        "ratio_per_epoch": epoch / sk_epoch,
-        "ortbridge_batch_us": per_batch,
-        "ortbridge_share_in_onnxruntime": in_ort / fit_s,
+            runs.setdefault("by_batch", []).append(first + rest)
+    part = {
+        "runtime": here,
+        "raw": {"runs": runs, "firsts": firsts},
         "losses": losses,
-        "runs": runs,
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-        },
         "versions": {
             "ortbridge": ortbridge.__version__,
             "onnxruntime": onnxruntime.__version__,
@@ -283,9 +250,80 @@ def main():
             "numpy": np.__version__,
         },
     }
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            json.dump(figures, f, indent=2)
+    if not args.later_share:
+        # What backend="auto" trains with here, and where its fit spends its time.
+        auto = OnnxSGDRegressor(onx, max_iter=1, **hyper).fit(X[:30], y[:30])
+        part["auto"] = next(iter(auto._epoch_graphs.values())).source
+        in_ort, fit_s = time_in_onnxruntime(onx, X, y, args.epochs, hyper, part["auto"])
+        n_batches = -(-args.rows // args.batch)
+        part["auto_batch_us"] = fit_s / (args.epochs * n_batches) * 1e6
+        part["auto_share_in_onnxruntime"] = in_ort / fit_s
+    return part
+
+
+def summarize(args, part: dict) -> dict:
+    """Medians of the raw timings, and their ratios to scikit-learn's."""
+    med = {k: statistics.median(v) for k, v in part["raw"]["runs"].items()}
+    n_batches = -(-args.rows // args.batch)
+    return {
+        **part,
+        "seconds": med,
+        "ratios": {k: v / med["sklearn"] for k, v in med.items()},
+        "build_and_first_epoch_s": {
+            k: statistics.median(v) for k, v in part["raw"]["firsts"].items()
+        },
+        "sklearn_batch_us": med["sklearn"] / args.epochs / n_batches * 1e6,
+    }
+
+
+def way_names(args) -> dict:
+    names = {"sklearn": "scikit-learn MLPRegressor"}
+    for source, short in SOURCES.items():
+        names[f"estimator/{source}"] = f"OnnxSGDRegressor, {short}"
+    for source, short in SOURCES.items():
+        names[f"full_graph/{source}"] = f"full graph (ref.), {short}"
+    names["by_batch"] = "batch by batch (ref.), auto"
+    return names
+
+
+def report(args, parts: list[dict]) -> None:
+    hidden = args.hidden.replace(",", "-")
+    print(
+        f"MLP {args.features}-{hidden}-1, {args.rows} rows, batch {args.batch}, "
+        f"{args.epochs} epochs, shuffle={args.shuffle}, median of {args.repeat} runs"
+    )
+    print(f"{'':30s}" + "".join(f"{_runtime_axis.label(p):>34s}" for p in parts))
+    print(f"{'':30s}" + f"{'time (s)':>12s}{'final loss':>12s}{'ratio':>10s}" * len(parts))
+    for way, name in way_names(args).items():
+        if not any(way in p["seconds"] for p in parts):
+            continue
+        cells = []
+        for p in parts:
+            if way in p["seconds"]:
+                t, loss = p["seconds"][way], p["losses"][way]
+                cells.append(f"{t:12.3f}{loss:12.6f}{p['ratios'][way]:10.2f}")
+            else:
+                cells.append(f"{'-':>12s}{'':22s}")
+        print(f"{name:30s}" + "".join(cells))
+    for p in parts:
+        ratio = p["ratios"][f"estimator/{p['auto']}"]
+        print(
+            f"{_runtime_axis.label(p)}: backend='auto' uses {SOURCES[p['auto']]}; a batch "
+            f"{p['auto_batch_us']:.0f} us ({p['auto_share_in_onnxruntime']:.0%} in "
+            f"onnxruntime's calls) against scikit-learn's {p['sklearn_batch_us']:.0f} us; "
+            f"target estimator <= 0.5x scikit-learn: {'met' if ratio <= 0.5 else 'missed'}"
+        )
+
+
+def settings(args) -> dict:
+    """The options the saved figures record."""
+    return {"args": {k: v for k, v in vars(args).items() if k not in ("output", "other_python")}}
+
+
+def main(argv=None):
+    return _runtime_axis.main(
+        __file__, argv, parse_args, measure, summarize, report, settings, "repeat"
+    )
 
 
 if __name__ == "__main__":

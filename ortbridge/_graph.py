@@ -284,6 +284,10 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     - Activations without a registered gradient (ELU, CELU, SELU, Softplus,
       Mish, HardSigmoid, HardSwish, PRelu) become standard ops
       (:mod:`._activations`).
+    - ``ReverseSequence`` reads ``Max(sequence_lens, 1)``: the same result
+      (a sequence of 0 or 1 element stays as it is), but onnxruntime 1.19.2
+      leaves a batch entry of length 0 unwritten, uninitialised memory in the
+      output and so in its gradient.
     - Unnamed nodes get a name.
     - An ai.onnx opset below 13 is converted to 13: the gradient builder
       writes nodes in the forms of recent opsets (a ``Gemm`` without ``C``).
@@ -307,6 +311,9 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
             )
         if node.op_type == "AveragePool" and node.domain in ("", "ai.onnx"):
             rewritten.extend(_average_pool_as_conv(node, shapes, types, taken))
+            continue
+        if node.op_type == "ReverseSequence" and node.domain in ("", "ai.onnx"):
+            rewritten.extend(_at_least_one_step(node, graph, taken))
             continue
         if node.domain in ("", "ai.onnx") and node.op_type in _activations.ALL_OPS:
             elem = types.get(node.input[0])
@@ -583,6 +590,16 @@ def _set_dropout_training(node, graph, taken, value: bool) -> str:
     graph.initializer.append(numpy_helper.from_array(np.array(value), name))
     _set_dropout_input(node, 2, name)
     return name
+
+
+def _at_least_one_step(node, graph, taken) -> list[onnx.NodeProto]:
+    """``node`` (ReverseSequence) reading ``Max(sequence_lens, 1)``."""
+    one = _unique(f"{node.name or node.output[0]}/one", taken)
+    lens = _unique(f"{node.input[1]}/at_least_one", taken)
+    graph.initializer.append(numpy_helper.from_array(np.array(1, np.int64), one))
+    clamp = helper.make_node("Max", [node.input[1], one], [lens], name=lens)
+    node.input[1] = lens
+    return [clamp, node]
 
 
 def _average_pool_as_conv(node, shapes, types, taken) -> list[onnx.NodeProto]:

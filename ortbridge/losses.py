@@ -37,15 +37,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ._graph import _all_names, load_model
-from ._onnx_utils import FLOAT_TYPES, IR_VERSION, np_dtype
+from ._onnx_utils import FLOAT_TYPES, np_dtype
+from ._ort_limits import fit_to_runtime
 from .exceptions import OnnxInputError, OnnxModelError
 
 __all__ = ["LOSSES", "add_loss_output", "get_train_initializer"]
 
 #: Names of the losses :func:`add_loss_output` accepts.
 LOSSES = ("squared_error", "absolute_error", "elastic", "log_loss")
-#: Highest ai.onnx opset onnxruntime-training 1.19.2 runs.
-MAX_OPSET = 21
 
 
 def get_train_initializer(model) -> dict[str, np.ndarray]:
@@ -121,7 +120,8 @@ def add_loss_output(
     Returns
     -------
     onnx.ModelProto
-        The new model, IR version at most 10 (what onnxruntime 1.19.2 loads).
+        The new model, its IR version lowered to what the installed
+        onnxruntime loads.
 
     Raises
     ------
@@ -130,7 +130,7 @@ def add_loss_output(
         already used in the graph, a bad ``output_index``.
     OnnxModelError
         The prediction is not a float tensor of known rank, or the model's
-        opset is newer than onnxruntime 1.19.2 runs.
+        opset is newer than the installed onnxruntime runs.
 
     Examples
     --------
@@ -250,26 +250,13 @@ def add_loss_output(
     del graph.output[:]
     graph.output.append(helper.make_tensor_value_info(loss_name, elem, []))
     graph.output.extend(outputs)
-    pin_ir_version(model)
-    return model
-
-
-def pin_ir_version(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Lower ``model.ir_version`` to what onnxruntime 1.19.2 loads (in place)."""
-    if model.ir_version > IR_VERSION:
-        model.ir_version = IR_VERSION
-    return model
+    return fit_to_runtime(model)
 
 
 def _ai_onnx_opset(model: onnx.ModelProto) -> int:
     for opset in model.opset_import:
         if opset.domain in ("", "ai.onnx"):
-            if opset.version > MAX_OPSET:
-                raise OnnxModelError(
-                    f"the model uses ai.onnx opset {opset.version}, onnxruntime-training 1.19.2 "
-                    f"runs opsets up to {MAX_OPSET}: convert it with "
-                    f"onnx.version_converter.convert_version(model, {MAX_OPSET})"
-                )
+            fit_to_runtime(model)  # refuses an opset the installed onnxruntime cannot run
             return opset.version
     raise OnnxModelError("the model imports no ai.onnx opset")
 

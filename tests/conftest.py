@@ -4,7 +4,7 @@ A test (or a module, through ``pytestmark = pytest.mark.usefixtures("backend")``
 that uses the ``backend`` fixture runs once per engine installed here, with
 ``OnnxModule``'s default ``backend`` set to it; ``@pytest.mark.engines(...)``
 restricts it to the engines named. ``requires_training_build`` marks what
-still needs onnxruntime-training (``ortbridge.training``).
+needs onnxruntime-training itself (its gradient builder's graphs and kernels).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ ENGINES = [
 ]
 
 requires_training_build = pytest.mark.skipif(
-    not _ort.has_training(), reason="needs onnxruntime-training (ortbridge.training)"
+    not _ort.has_training(), reason="needs onnxruntime-training (the training build)"
 )
 
 

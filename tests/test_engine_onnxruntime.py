@@ -395,3 +395,35 @@ def test_max_pool_gradient_follows_torch_also_on_ties(ties):
         x = torch.randint(0, 2, x.shape).float()
     layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
     _compare(model, layer, x)
+
+
+def test_reverse_sequence_with_an_empty_sequence_keeps_its_row():
+    # onnxruntime 1.19.2 leaves the row of a length-0 sequence unwritten
+    # (uninitialised memory); ortbridge clamps the lengths to 1, which
+    # reverses the same. Checked against torch for output, gradient and eval.
+    node = helper.make_node("ReverseSequence", ["x", "lens"], ["y"], batch_axis=0, time_axis=1)
+    graph = helper.make_graph(
+        [node],
+        "reverse_sequence",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 5]),
+            helper.make_tensor_value_info("lens", TensorProto.INT64, [4]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 5])],
+    )
+    module = OnnxModule(make_model(graph, opset=13))
+    lens = torch.tensor([0, 1, 3, 5])
+    x = torch.randn(4, 5, requires_grad=True)
+    seed = torch.randn(4, 5)
+
+    def reference(t):
+        rows = [torch.cat([r[:n].flip(0), r[n:]]) for r, n in zip(t, lens.tolist())]
+        return torch.stack(rows)
+
+    y = module(x, lens)
+    torch.testing.assert_close(y, reference(x.detach()))
+    y.backward(seed)
+    torch.testing.assert_close(x.grad, reference(seed))
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(module(x, lens), reference(x.detach()))

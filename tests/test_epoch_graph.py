@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import export, requires_training_build
+from conftest import export
 from onnx import TensorProto, helper, numpy_helper
 
 from ortbridge import OnnxModule
@@ -15,7 +17,11 @@ from ortbridge.exceptions import TrainingDivergedError
 from ortbridge.training import OnnxSGDClassifier, OnnxSGDRegressor
 from ortbridge.training._epoch_graph import EpochGraph
 
-pytestmark = requires_training_build
+
+@pytest.fixture
+def make_regressor(backend):
+    """``OnnxSGDRegressor`` on the gradient source under test (each one installed)."""
+    return functools.partial(OnnxSGDRegressor, backend=backend)
 
 
 def mlp_model(dtype=np.float32, n_in=5, hidden=7, n_out=1, seed=0):
@@ -94,13 +100,13 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_epochs_in_one_call_match_batch_by_batch(data, case, dtype):
+def test_epochs_in_one_call_match_batch_by_batch(make_regressor, data, case, dtype):
     X, y, weight = data
     X, y = X.astype(dtype), y.astype(dtype)
     params = dict(learning_rate_init=0.02, batch_size=16, max_iter=3, random_state=0)
     params.update(CASES[case])
-    fast = OnnxSGDRegressor(mlp_model(dtype), **params).fit(X, y, weight)
-    slow = by_batch(OnnxSGDRegressor(mlp_model(dtype), **params)).fit(X, y, weight)
+    fast = make_regressor(mlp_model(dtype), **params).fit(X, y, weight)
+    slow = by_batch(make_regressor(mlp_model(dtype), **params)).fit(X, y, weight)
     assert fast._engine is not None and slow._engine is False
     (wf, vf), (ws, vs) = state_of(fast), state_of(slow)
     tol = 2e-5 if dtype == np.float32 else 1e-12
@@ -113,10 +119,11 @@ def test_epochs_in_one_call_match_batch_by_batch(data, case, dtype):
     assert fast.n_iter_ == slow.n_iter_ == 3 and fast.t_ == slow.t_ == 3 * len(X)
 
 
-def test_classifier_epochs_match_batch_by_batch(data):
+def test_classifier_epochs_match_batch_by_batch(backend, data):
     X, y, weight = data
     X, labels = X.astype(np.float32), np.where(y > 0, "a", "b")
     params = dict(learning_rate_init=0.05, batch_size=16, max_iter=3, random_state=0, alpha=0.01)
+    params["backend"] = backend
     fast = OnnxSGDClassifier(mlp_model(), **params).fit(X, labels, weight)
     slow = by_batch(OnnxSGDClassifier(mlp_model(), **params)).fit(X, labels, weight)
     for name, value in state_of(slow)[0].items():
@@ -125,7 +132,7 @@ def test_classifier_epochs_match_batch_by_batch(data):
 
 
 @pytest.mark.parametrize("rows,calls_per_epoch", [(128, 1), (120, 2)])
-def test_one_onnxruntime_call_an_epoch(data, monkeypatch, rows, calls_per_epoch):
+def test_one_onnxruntime_call_an_epoch(make_regressor, data, monkeypatch, rows, calls_per_epoch):
     """One call an epoch, two with a shorter last batch; the module is never run."""
     X, y, _ = data
     X = np.concatenate([X, X])[:rows].astype(np.float32)
@@ -143,19 +150,19 @@ def test_one_onnxruntime_call_an_epoch(data, monkeypatch, rows, calls_per_epoch)
 
     monkeypatch.setattr(EpochGraph, "run", counted_run)
     monkeypatch.setattr(OnnxModule, "forward", counted_forward)
-    reg = OnnxSGDRegressor(mlp_model(), batch_size=16, max_iter=4, random_state=0).fit(X, y)
+    reg = make_regressor(mlp_model(), batch_size=16, max_iter=4, random_state=0).fit(X, y)
     assert calls == {"epoch": 4 * calls_per_epoch, "module": 0}
     assert sorted(rows for rows, _ in reg._epoch_graphs) == sorted({16, rows % 16 or 16})
 
 
-def test_divergence_keeps_the_last_finite_weights(data):
+def test_divergence_keeps_the_last_finite_weights(make_regressor, data):
     """A loss that overflows at the fourth batch: both paths stop there, same weights."""
     X, y, _ = data
     X, y = X.astype(np.float32), y.astype(np.float32)
     y[50] = 3e38  # rows 48:64, the fourth batch of 16
     params = dict(learning_rate_init=0.01, batch_size=16, shuffle=False, max_iter=2)
-    fast = OnnxSGDRegressor(mlp_model(), **params)
-    slow = by_batch(OnnxSGDRegressor(mlp_model(), **params))
+    fast = make_regressor(mlp_model(), **params)
+    slow = by_batch(make_regressor(mlp_model(), **params))
     messages = []
     for est in (fast, slow):
         with pytest.raises(TrainingDivergedError, match=r"became inf at epoch 1, rows 48:64") as e:
@@ -168,18 +175,18 @@ def test_divergence_keeps_the_last_finite_weights(data):
         np.testing.assert_allclose(wf[name], ws[name], atol=1e-6, err_msg=name)
         np.testing.assert_allclose(vf[name], vs[name], atol=1e-6, err_msg=name)
     # Three batches were learnt: the weights moved from the model's.
-    fresh = state_of(OnnxSGDRegressor(mlp_model(), **params).partial_fit(X[:48], y[:48]))[0]
+    fresh = state_of(make_regressor(mlp_model(), **params).partial_fit(X[:48], y[:48]))[0]
     for name in ws:
         np.testing.assert_allclose(wf[name], fresh[name], atol=1e-6, err_msg=name)
 
 
-def test_state_dict_loaded_between_fits_is_used(data):
+def test_state_dict_loaded_between_fits_is_used(make_regressor, data):
     """The parameters are views of the epoch graph's state: loading weights reaches it."""
     X, y, _ = data
     X, y = X.astype(np.float32), y.astype(np.float32)
     params = dict(learning_rate_init=0.02, batch_size=16, shuffle=False, momentum=0.0)
-    reg = OnnxSGDRegressor(mlp_model(), max_iter=3, **params).fit(X, y)
-    start = OnnxSGDRegressor(mlp_model(seed=5), **params).partial_fit(X[:1], y[:1])
+    reg = make_regressor(mlp_model(), max_iter=3, **params).fit(X, y)
+    start = make_regressor(mlp_model(seed=5), **params).partial_fit(X[:1], y[:1])
     reg.module_.load_state_dict(start.module_.state_dict())
     reg.partial_fit(X, y)
     start.partial_fit(X, y)
@@ -187,7 +194,7 @@ def test_state_dict_loaded_between_fits_is_used(data):
         np.testing.assert_allclose(state_of(reg)[0][name], value, atol=1e-6, err_msg=name)
 
 
-def test_batch_norm_models_train_batch_by_batch(data):
+def test_batch_norm_models_train_batch_by_batch(make_regressor, data):
     """BatchNormalization's running statistics need the module: no epoch graph."""
     X, y, _ = data
     X, y = X.astype(np.float32), y.astype(np.float32)
@@ -195,7 +202,7 @@ def test_batch_norm_models_train_batch_by_batch(data):
         torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
     ).train()
     onx = export(net, (torch.zeros(4, 5),))
-    reg = OnnxSGDRegressor(onx, learning_rate_init=0.02, batch_size=16, max_iter=5, random_state=0)
+    reg = make_regressor(onx, learning_rate_init=0.02, batch_size=16, max_iter=5, random_state=0)
     reg.fit(X, y)
     assert reg._engine is None and not reg._epoch_graphs
     assert reg.train_losses_[-1] < reg.train_losses_[0]
@@ -222,7 +229,7 @@ def test_small_steps_run_on_one_thread():
     assert big == torch.get_num_threads()
 
 
-def test_mixed_precision_weights_train_batch_by_batch(data):
+def test_mixed_precision_weights_train_batch_by_batch(make_regressor, data):
     """Weights of two types cannot share one flat state: the batch-by-batch path."""
     X, y, _ = data
     model = mlp_model()
@@ -231,13 +238,13 @@ def test_mixed_precision_weights_train_batch_by_batch(data):
     model.graph.node[3].CopyFrom(helper.make_node("Cast", ["h"], ["h64"], to=TensorProto.DOUBLE))
     model.graph.node.insert(4, helper.make_node("MatMul", ["h64", "w2"], ["o64"]))
     model.graph.node.insert(5, helper.make_node("Cast", ["o64"], ["o0"], to=TensorProto.FLOAT))
-    reg = OnnxSGDRegressor(model, learning_rate_init=0.02, batch_size=16, max_iter=5)
+    reg = make_regressor(model, learning_rate_init=0.02, batch_size=16, max_iter=5)
     reg.fit(X.astype(np.float32), y.astype(np.float32))
     assert reg._engine is None
     assert reg.train_losses_[-1] < reg.train_losses_[0]
 
 
-def test_dropout_models_train_in_the_epoch_graph(data):
+def test_dropout_models_train_in_the_epoch_graph(make_regressor, data):
     """Dropout is active while training (in the Loop), off in predictions."""
     X, y, _ = data
     X, y = X.astype(np.float32), y.astype(np.float32)
@@ -246,16 +253,12 @@ def test_dropout_models_train_in_the_epoch_graph(data):
         torch.nn.Linear(5, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(32, 1)
     ).train()
     onx = export(net, (torch.zeros(4, 5),))
-    reg = OnnxSGDRegressor(onx, learning_rate_init=0.02, batch_size=16, max_iter=20, random_state=0)
+    reg = make_regressor(onx, learning_rate_init=0.02, batch_size=16, max_iter=20, random_state=0)
     reg.fit(X, y)
     assert reg._engine is not None and reg._epoch_graphs
     assert reg.train_losses_[-1] < 0.5 * reg.train_losses_[0]
     np.testing.assert_array_equal(reg.predict(X), reg.predict(X))
     # Training draws masks: two fits from the same start differ, predictions do not vary.
-    again = OnnxSGDRegressor(
-        onx, learning_rate_init=0.02, batch_size=16, max_iter=1, random_state=0
-    )
-    first = OnnxSGDRegressor(
-        onx, learning_rate_init=0.02, batch_size=16, max_iter=1, random_state=0
-    )
+    again = make_regressor(onx, learning_rate_init=0.02, batch_size=16, max_iter=1, random_state=0)
+    first = make_regressor(onx, learning_rate_init=0.02, batch_size=16, max_iter=1, random_state=0)
     assert not np.array_equal(again.fit(X, y).predict(X), first.fit(X, y).predict(X))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import doctest
+import functools
 import importlib
 import pickle
 import warnings
@@ -12,7 +13,6 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import sklearn.exceptions
-from conftest import requires_training_build
 from skl2onnx import to_onnx
 from sklearn.base import clone
 from sklearn.metrics import accuracy_score, r2_score
@@ -24,7 +24,17 @@ from ortbridge.exceptions import OnnxInputError, OrtBridgeError, TrainingDiverge
 from ortbridge.training import OnnxSGDClassifier, OnnxSGDRegressor
 from ortbridge.training._estimators import NotFittedError
 
-pytestmark = requires_training_build
+
+@pytest.fixture
+def make_regressor(backend):
+    """``OnnxSGDRegressor`` on the gradient source under test (each one installed)."""
+    return functools.partial(OnnxSGDRegressor, backend=backend)
+
+
+@pytest.fixture
+def make_classifier(backend):
+    """``OnnxSGDClassifier`` on the gradient source under test."""
+    return functools.partial(OnnxSGDClassifier, backend=backend)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +86,9 @@ def mlp_weights(mlp):
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3], ids=["alpha0", "alpha0.3"])
 @pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
-def test_one_epoch_matches_mlpregressor_partial_fit(data, fitted_mlp, nesterov, alpha):
+def test_one_epoch_matches_mlpregressor_partial_fit(
+    make_regressor, data, fitted_mlp, nesterov, alpha
+):
     """Same start, one epoch without shuffling: the weights of MLPRegressor.partial_fit."""
     X, y = data
     mlp, onx = copy.deepcopy(fitted_mlp)
@@ -92,7 +104,7 @@ def test_one_epoch_matches_mlpregressor_partial_fit(data, fitted_mlp, nesterov, 
         learning_rate="constant",
     )
     mlp.set_params(solver="sgd", **hyper)
-    ours = OnnxSGDRegressor(onx, **hyper)
+    ours = make_regressor(onx, **hyper)
     mlp.partial_fit(X, y)
     ours.partial_fit(X, y)
     expected = mlp_weights(mlp)
@@ -103,7 +115,7 @@ def test_one_epoch_matches_mlpregressor_partial_fit(data, fitted_mlp, nesterov, 
     assert ours.loss_ == pytest.approx(mlp.loss_, rel=1e-5)
 
 
-def test_invscaling_epochs_match_mlpregressor(data, fitted_mlp):
+def test_invscaling_epochs_match_mlpregressor(make_regressor, data, fitted_mlp):
     """The learning rate changes between epochs as MLPRegressor's does."""
     X, y = data
     mlp, onx = copy.deepcopy(fitted_mlp)
@@ -119,7 +131,7 @@ def test_invscaling_epochs_match_mlpregressor(data, fitted_mlp):
         power_t=0.5,
     )
     mlp.set_params(solver="sgd", **hyper)
-    ours = OnnxSGDRegressor(onx, **hyper)
+    ours = make_regressor(onx, **hyper)
     for _ in range(3):
         mlp.partial_fit(X, y)
         ours.partial_fit(X, y)
@@ -132,12 +144,12 @@ def test_invscaling_epochs_match_mlpregressor(data, fitted_mlp):
 # -- fit, predict, score, to_onnx -------------------------------------------
 
 
-def test_regressor_learns_and_exports(data, tmp_path):
+def test_regressor_learns_and_exports(make_regressor, data, tmp_path):
     X, y = data
     y2 = X @ np.array([1.0, -2.0, 0.5, 0, 0, 3.0], dtype=np.float32)
     path = tmp_path / "linear.onnx"
     path.write_bytes(linear_model(6, 1).SerializeToString())
-    reg = OnnxSGDRegressor(str(path), learning_rate_init=0.02, max_iter=40, random_state=0)
+    reg = make_regressor(str(path), learning_rate_init=0.02, max_iter=40, random_state=0)
     assert reg.fit(X, y2) is reg
     assert len(reg.train_losses_) == reg.n_iter_ == 40
     assert reg.train_losses_[-1] < 0.01 * reg.train_losses_[0]
@@ -149,21 +161,21 @@ def test_regressor_learns_and_exports(data, tmp_path):
     np.testing.assert_array_equal(session.run(None, {"x": X})[0].ravel(), prediction)
 
 
-def test_regressor_multi_output_and_losses(data):
+def test_regressor_multi_output_and_losses(make_regressor, data):
     X, _ = data
     Y = np.stack([X[:, 0], -X[:, 1]], axis=1)
     for loss in ("squared_error", "absolute_error", "elastic"):
-        reg = OnnxSGDRegressor(
+        reg = make_regressor(
             linear_model(6, 2), loss=loss, learning_rate_init=0.05, max_iter=25, random_state=0
         ).fit(X, Y)
         assert reg.predict(X).shape == (len(X), 2)
         assert reg.score(X, Y) > 0.9, loss
 
 
-def test_classifier(data):
+def test_classifier(make_classifier, data):
     X, _ = data
     labels = np.where(X[:, 0] + X[:, 1] > 0, "pos", "neg")
-    clf = OnnxSGDClassifier(
+    clf = make_classifier(
         linear_model(6, 1), learning_rate_init=0.1, max_iter=20, random_state=0
     ).fit(X, labels)
     assert list(clf.classes_) == ["neg", "pos"]
@@ -180,10 +192,10 @@ def test_classifier(data):
         clf.partial_fit(X, np.where(labels == "pos", "pos", "other"))
 
 
-def test_classifier_partial_fit_with_classes(data):
+def test_classifier_partial_fit_with_classes(make_classifier, data):
     X, _ = data
     y = (X[:, 0] > 0).astype(int)
-    clf = OnnxSGDClassifier(linear_model(6, 1), learning_rate_init=0.1, random_state=0)
+    clf = make_classifier(linear_model(6, 1), learning_rate_init=0.1, random_state=0)
     clf.partial_fit(X[y == 1], y[y == 1], classes=[0, 1])
     clf.partial_fit(X, y)
     assert list(clf.classes_) == [0, 1] and clf.n_iter_ == 2
@@ -192,34 +204,34 @@ def test_classifier_partial_fit_with_classes(data):
 # -- sample weights -------------------------------------------------------------
 
 
-def test_sample_weights_are_rows(data):
+def test_sample_weights_are_rows(make_regressor, data):
     """Zero weights drop rows, integer weights repeat them (one batch, no shuffle)."""
     X, y = data
     hyper = dict(learning_rate_init=0.05, max_iter=3, shuffle=False, batch_size=1000)
     keep = np.arange(len(X)) % 3 != 0
-    weighted = OnnxSGDRegressor(linear_model(6, 1), **hyper).fit(X, y, keep.astype(float))
-    dropped = OnnxSGDRegressor(linear_model(6, 1), **hyper).fit(X[keep], y[keep])
+    weighted = make_regressor(linear_model(6, 1), **hyper).fit(X, y, keep.astype(float))
+    dropped = make_regressor(linear_model(6, 1), **hyper).fit(X[keep], y[keep])
     assert_same_weights(weighted, dropped, atol=1e-6)
     assert weighted.loss_ == pytest.approx(dropped.loss_, rel=1e-5)
     twice = np.where(keep, 2.0, 1.0)
-    repeated = OnnxSGDRegressor(linear_model(6, 1), **hyper).fit(X, y, twice)
-    stacked = OnnxSGDRegressor(linear_model(6, 1), **hyper).fit(
+    repeated = make_regressor(linear_model(6, 1), **hyper).fit(X, y, twice)
+    stacked = make_regressor(linear_model(6, 1), **hyper).fit(
         np.concatenate([X, X[keep]]), np.concatenate([y, y[keep]])
     )
     assert_same_weights(repeated, stacked, atol=1e-6)
     with pytest.raises(OnnxInputError, match=r"sample_weight has 3 values, expected one per row"):
-        OnnxSGDRegressor(linear_model(6, 1)).fit(X, y, [1.0, 2.0, 3.0])
+        make_regressor(linear_model(6, 1)).fit(X, y, [1.0, 2.0, 3.0])
 
 
 # -- warm start, partial_fit, protocol ------------------------------------------
 
 
-def test_warm_start_resumes_weights_and_velocities(data, fitted_mlp):
+def test_warm_start_resumes_weights_and_velocities(make_regressor, data, fitted_mlp):
     X, y = data
     _, onx = fitted_mlp
     hyper = dict(learning_rate_init=0.01, random_state=0, batch_size=16)
-    once = OnnxSGDRegressor(onx, max_iter=5, **hyper).fit(X, y)
-    resumed = OnnxSGDRegressor(onx, max_iter=3, **hyper).fit(X, y)
+    once = make_regressor(onx, max_iter=5, **hyper).fit(X, y)
+    resumed = make_regressor(onx, max_iter=3, **hyper).fit(X, y)
     resumed.set_params(warm_start=True, max_iter=2).fit(X, y)
     assert_same_weights(once, resumed)
     for name, v in velocities_of(once).items():
@@ -230,21 +242,21 @@ def test_warm_start_resumes_weights_and_velocities(data, fitted_mlp):
     assert_same_weights(once, restarted)
 
 
-def test_partial_fit_is_an_epoch(data):
+def test_partial_fit_is_an_epoch(make_regressor, data):
     X, y = data
     hyper = dict(learning_rate_init=0.02, shuffle=False, batch_size=32)
-    fitted = OnnxSGDRegressor(linear_model(6, 1), max_iter=4, **hyper).fit(X, y)
-    partial = OnnxSGDRegressor(linear_model(6, 1), **hyper)
+    fitted = make_regressor(linear_model(6, 1), max_iter=4, **hyper).fit(X, y)
+    partial = make_regressor(linear_model(6, 1), **hyper)
     for _ in range(4):
         partial.partial_fit(X, y)
     assert_same_weights(fitted, partial)
     assert partial.train_losses_ == fitted.train_losses_
 
 
-def test_clone_params_pickle_deepcopy(data, fitted_mlp):
+def test_clone_params_pickle_deepcopy(make_regressor, data, fitted_mlp):
     X, y = data
     _, onx = fitted_mlp
-    reg = OnnxSGDRegressor(onx, learning_rate_init=0.01, max_iter=2, random_state=0)
+    reg = make_regressor(onx, learning_rate_init=0.01, max_iter=2, random_state=0)
     params = reg.get_params()
     assert params["learning_rate_init"] == 0.01 and params["model"] is onx
     reg.set_params(momentum=0.5)
@@ -262,20 +274,21 @@ def test_clone_params_pickle_deepcopy(data, fitted_mlp):
     assert_same_weights(reg, restored)
 
 
-def test_grid_search(data):
+def test_grid_search(backend, data):
     X, y = data
     search = GridSearchCV(
-        OnnxSGDRegressor(linear_model(6, 1), max_iter=5, random_state=0),
+        OnnxSGDRegressor(linear_model(6, 1), max_iter=5, random_state=0, backend=backend),
         {"learning_rate_init": [1e-4, 0.05]},
         cv=2,
     )
     search.fit(X, y)
     assert search.best_params_ == {"learning_rate_init": 0.05}
     assert search.best_estimator_.n_iter_ == 5
+    assert search.best_estimator_.get_params()["backend"] == backend
 
 
-def test_not_fitted_error_is_sklearns():
-    reg = OnnxSGDRegressor(linear_model(6, 1))
+def test_not_fitted_error_is_sklearns(make_regressor):
+    reg = make_regressor(linear_model(6, 1))
     with pytest.raises(sklearn.exceptions.NotFittedError, match="not fitted yet"):
         reg.predict(np.zeros((2, 6), np.float32))
     with pytest.raises(NotFittedError) as info:
@@ -283,9 +296,9 @@ def test_not_fitted_error_is_sklearns():
     assert isinstance(info.value, OrtBridgeError)
 
 
-def test_divergence_stops_with_a_clear_error(data):
+def test_divergence_stops_with_a_clear_error(make_regressor, data):
     X, y = data
-    reg = OnnxSGDRegressor(linear_model(6, 1), learning_rate_init=1e6, max_iter=50)
+    reg = make_regressor(linear_model(6, 1), learning_rate_init=1e6, max_iter=50)
     with pytest.raises(TrainingDivergedError, match=r"training loss became (nan|inf) at epoch"):
         reg.fit(X, y * 1e3)
 
@@ -299,18 +312,22 @@ def test_divergence_stops_with_a_clear_error(data):
         ({"momentum": 1.5}, r"momentum must be a number >= 0 and <= 1, got 1.5"),
         ({"batch_size": 0}, "batch_size must be a positive integer or 'auto', got 0"),
         ({"l1_ratio": -0.1}, "l1_ratio must be a number >= 0"),
+        (
+            {"backend": "tensorflow"},
+            r"backend must be one of \['auto', 'training-agent', 'onnxruntime'\], got 'tensorflow'",
+        ),
     ],
 )
-def test_invalid_parameters(data, params, message):
+def test_invalid_parameters(make_regressor, data, params, message):
     X, y = data
     with pytest.raises(OnnxInputError, match=message):
-        OnnxSGDRegressor(linear_model(6, 1), **params).fit(X, y)
+        make_regressor(linear_model(6, 1), **params).fit(X, y)
 
 
-def test_schedules_and_penalty_run(data):
+def test_schedules_and_penalty_run(make_regressor, data):
     X, y = data
     for schedule in ("invscaling", "optimal"):
-        reg = OnnxSGDRegressor(
+        reg = make_regressor(
             linear_model(6, 1),
             learning_rate=schedule,
             alpha=0.01,
@@ -325,7 +342,7 @@ def test_schedules_and_penalty_run(data):
     # (the penalty is divided by the batch size, as MLPRegressor's).
     fits = {
         alpha: weights_of(
-            OnnxSGDRegressor(
+            make_regressor(
                 linear_model(6, 1),
                 alpha=alpha,
                 l1_ratio=1.0,

@@ -11,7 +11,6 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import requires_training_build
 from sklearn.linear_model import SGDRegressor
 from sklearn.neural_network._stochastic_optimizers import SGDOptimizer
 
@@ -61,6 +60,7 @@ def random_batch(loss, n_rows, n_cols, dtype, weighted, seed=0):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("n_cols", [1, 3])
 @pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.usefixtures("backend")
 def test_loss_value_and_gradient(loss, n_cols, dtype, weighted):
     """ORT forward/backward of the loss graph == numpy reference == torch autograd."""
     tdtype, elem, tol = DTYPES[dtype]
@@ -87,6 +87,7 @@ def test_loss_value_and_gradient(loss, n_cols, dtype, weighted):
         assert not p_ort.grad[1].any()
 
 
+@pytest.mark.usefixtures("backend")
 def test_gradient_signs():
     """Gradients point away from the target: the L1 sign defect must not come back."""
     p = torch.tensor([[2.0], [-2.0]], requires_grad=True)
@@ -155,7 +156,6 @@ def test_penalty_value_and_gradient(l1_ratio):
 
 @pytest.mark.parametrize("l1_ratio", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-@requires_training_build
 def test_penalty_in_update_graph(l1_ratio, momentum):
     """SklearnSGD adds the penalty divided by the batch, times the learning rate."""
     gen = torch.Generator().manual_seed(2)
@@ -244,7 +244,6 @@ def test_schedule_optimal_matches_sgdregressor():
     [(0.0, False), (0.9, False), (0.9, True)],
     ids=["plain", "momentum", "nesterov"],
 )
-@requires_training_build
 def test_updates_match_sklearn_optimizer(momentum, nesterov):
     """SklearnSGD (ORT graph) == numpy reference == scikit-learn's SGDOptimizer, 20 steps."""
     rng = np.random.default_rng(3)

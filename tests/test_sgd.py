@@ -8,15 +8,12 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import requires_training_build
 from onnx import TensorProto, helper, numpy_helper
 
 from ortbridge import OnnxModule
 from ortbridge._onnx_utils import make_model
 from ortbridge.exceptions import OnnxInputError, OnnxTypeError
 from ortbridge.training import OrtSGD, _sgd
-
-pytestmark = requires_training_build
 
 HYPER = {
     "plain": {},
@@ -74,6 +71,7 @@ def max_diff(a, b):
 
 
 @pytest.mark.parametrize("hyper", list(HYPER))
+@pytest.mark.usefixtures("backend")
 def test_follows_torch_sgd_on_onnx_module(hyper, monkeypatch):
     """50 steps on an OnnxModule: same weights as torch.optim.SGD, one ORT call a step,
     parameters and velocities never move."""
@@ -96,6 +94,7 @@ def test_follows_torch_sgd_on_onnx_module(hyper, monkeypatch):
     assert len(velocities) == (len(addresses) if "momentum" in kwargs else 0)
 
 
+@pytest.mark.usefixtures("backend")
 def test_float64_groups_and_scheduler():
     """Groups with their own hyperparameters, an LR scheduler changing lr every step.
 

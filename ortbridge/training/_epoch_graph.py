@@ -11,8 +11,9 @@ Python between steps. A step:
 
 - takes its batch ``batches[i]`` out of the epoch's rows, given as arrays
   of shape ``(number of batches, rows, ...)``;
-- runs the forward, the loss and the backward onnxruntime's gradient
-  builder writes (:mod:`._gradient`);
+- runs the forward, the loss and the backward of a gradient source
+  (:mod:`._gradient`: the training build's gradient builder, or onnx-ad's
+  standard-op reverse graph, which any onnxruntime runs);
 - applies scikit-learn's update with the nodes :class:`._sgd.SklearnSGD`
   runs (:func:`._sgd._update_nodes`); the coefficients that depend on the
   batch (``1 / sum of its sample weights`` times the learning rate...) are
@@ -22,15 +23,18 @@ What makes a step cheap is the number of nodes, each costing about a
 microsecond of dispatch whatever its size:
 
 - every batch of a graph has the same number of rows, fixed in the graph,
-  so that onnxruntime folds the backward's shape computations (``Shape``,
-  ``BroadcastGradientArgs``, ``Reshape``) into constants, a third of the
-  nodes; a shorter last batch runs on a second graph built for its size;
+  so that the backward's shape computations (``Shape``,
+  ``BroadcastGradientArgs``, ``Reshape``) fold into constants, a third of the
+  nodes (onnxruntime folds the builder's, onnx-ad's graph is built static and
+  its seed axis's views collapsed, :mod:`._simplify`); a shorter last batch
+  runs on a second graph built for its size;
 - the weights are one flat vector, split into views for the forward, and
   their gradients are concatenated, so the update is a handful of nodes
   for all weights instead of a handful per weight;
-- with a float32 loss the gradient builder's seed (the gradient of the
-  loss, 1) is the batch's coefficient of the gradient, so the gradients
-  come out scaled.
+- the backward's seed (the gradient of the loss, 1) is the batch's
+  coefficient of the gradient, so the gradients come out scaled (where the
+  seed has the loss's type: not for a float64 loss on the builder, whose
+  seed is float32).
 
 A step whose loss is not finite does not stop the loop; the caller finds it
 in the returned losses and reruns the epoch up to the batch before it, from
@@ -45,11 +49,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .. import _ort
-from ..exceptions import OnnxModelError
-from ..losses import pin_ir_version
-from ._gradient import gradient_model
+from .._ort_limits import fit_to_runtime
+from ._gradient import ONNX_AD, gradient_model
+from ._sessions import training_session
 from ._sgd import _Flags, _scalar_names, _scalar_values, _update_nodes
+from ._simplify import merge_reshapes
 
 _P = "ortbridge_epoch/"
 #: Coefficients that depend on the batch (through its sum of sample weights).
@@ -100,6 +104,7 @@ class EpochGraph:
         rule: Rule,
         rows: int,
         session_options,
+        backend: str = "auto",
     ):
         self.trainable = list(trainable)
         self.data_inputs = list(data_inputs)
@@ -124,11 +129,11 @@ class EpochGraph:
             if value.name in self.data_inputs and dims:
                 dims[0].Clear()
                 dims[0].dim_value = rows
-        built, loss32, _ = gradient_model(static, loss, self.trainable, session_options)
-        # With a float32 loss the builder's seed (a constant 1) becomes the
-        # coefficient of the gradient.
-        seeds = {init.name for init in built.graph.initializer}
-        self.seeded = self.elem == TensorProto.FLOAT and f"{loss32}_grad" in seeds
+        gradient = gradient_model(static, loss, self.trainable, session_options, backend)
+        self.source, self.reason = gradient.source, gradient.reason
+        # The backward's seed (a constant 1) becomes the coefficient of the
+        # gradient where it has the loss's type (the builder's is float32).
+        self.seeded = gradient.seed is not None and gradient.seed_elem == self.elem
         self.flags = _Flags(
             rule.velocity,
             rule.nesterov,
@@ -137,14 +142,10 @@ class EpochGraph:
             self.seeded,
             True,
         )
-        self.model = self._loop_model(built, loss, f"{loss32}_grad", mask)
-        ort = _ort.onnxruntime()
-        try:
-            self.session = ort.InferenceSession(
-                self.model.SerializeToString(), session_options, providers=["CPUExecutionProvider"]
-            )
-        except Exception as exc:
-            raise OnnxModelError(f"onnxruntime cannot load the epoch graph: {exc}") from exc
+        self.model = self._loop_model(gradient.model, loss, gradient.seed, mask)
+        self.session = training_session(
+            self.model, session_options, "the epoch graph", reverse=self.source == ONNX_AD
+        )
 
     # -- graph ------------------------------------------------------------------
 
@@ -239,6 +240,7 @@ class EpochGraph:
             + [info(name, [size]) for name in carried_out]
             + [info(value, [])]
         )
+        merge_reshapes(body)  # the gradients' reshapes to flat read their sources
         # The outer graph: the epoch's data and coefficients, then the state.
         outer = [
             info(f"{_P}trips", [], TensorProto.INT64),
@@ -249,7 +251,7 @@ class EpochGraph:
             outer.append(info(f"{_P}all/{name}", [None, *_dims(v)], v.type.tensor_type.elem_type))
         outer += [info(f"{_P}all/{n}", [None] if n in _PER_BATCH else []) for n in scalars]
         if self.seeded:
-            outer.append(info(f"{_P}all/{coefficient}", [None], TensorProto.FLOAT))
+            outer.append(info(f"{_P}all/{coefficient}", [None]))
         if self.penalty:
             outer += [info(f"{_P}all/pen_l1", []), info(f"{_P}all/pen_l2", [])]
         state_in = [f"{_P}in/{k}" for k in range(len(carried))]
@@ -261,7 +263,8 @@ class EpochGraph:
         outputs = [info(name, [size]) for name in state_out] + [info(f"{_P}values", [None])]
         graph = helper.make_graph([loop], "ortbridge_epoch", outer, outputs)
         model = helper.make_model(graph, opset_imports=list(built.opset_import))
-        return pin_ir_version(model)
+        model.ir_version = built.ir_version
+        return fit_to_runtime(model)
 
     # -- running ------------------------------------------------------------
 
@@ -290,7 +293,7 @@ class EpochGraph:
             name, value = next(
                 zip(_scalar_names(unseeded), _scalar_values(unseeded, *coefficients))
             )
-            feeds[f"{_P}all/{name}"] = np.asarray(value, np.float32)
+            feeds[f"{_P}all/{name}"] = np.asarray(value, self.dtype)
         for name, value in values.items():
             shape = np.shape(a) if name in _PER_BATCH else ()
             feeds[f"{_P}all/{name}"] = np.broadcast_to(np.asarray(value, self.dtype), shape).copy()

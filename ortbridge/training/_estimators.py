@@ -8,7 +8,9 @@ velocities. An epoch then runs one of two ways, to the same weights:
 
 - in one onnxruntime call (:mod:`._epoch_graph`): a ``Loop`` whose every
   step slices its batch, runs forward, loss, backward and update; the
-  parameters and velocities are views of its flat state;
+  parameters and velocities are views of its flat state; the backward comes
+  from either gradient source (:mod:`._gradient`), so that the estimators
+  run on the training build and on maintained onnxruntime alike;
 - batch by batch, for models with BatchNormalization (their running
   statistics are updated by the module's forward): the module's forward
   and backward, then ``SklearnSGD``'s update, one onnxruntime call each.
@@ -29,15 +31,15 @@ from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.exceptions import NotFittedError as SklearnNotFittedError
 from sklearn.utils import check_array, check_random_state
 
-from .. import _graph, exceptions
+from .. import _engines, _graph, exceptions
 from .._onnx_utils import np_dtype
-from .._ort import onnxruntime
+from .._ort_limits import fit_to_runtime
 from ..exceptions import OnnxInputError, OnnxModelError, TrainingDivergedError
 from . import _losses
 from ._epoch_graph import EpochGraph
 from ._epoch_graph import Hyper as _Hyper
 from ._epoch_graph import Rule as _Rule
-from ._full_graph import _session_options
+from ._sessions import session_options, training_session
 from ._sgd import SklearnSGD
 
 __all__ = ["NotFittedError", "OnnxSGDClassifier", "OnnxSGDRegressor"]
@@ -74,6 +76,7 @@ class _BaseOnnxSGD(BaseEstimator):
         random_state=None,
         warm_start=False,
         trainable=None,
+        backend="auto",
     ):
         self.model = model
         self.loss = loss
@@ -90,6 +93,7 @@ class _BaseOnnxSGD(BaseEstimator):
         self.random_state = random_state
         self.warm_start = warm_start
         self.trainable = trainable
+        self.backend = backend
 
     # -- what subclasses define ---------------------------------------------
 
@@ -100,6 +104,10 @@ class _BaseOnnxSGD(BaseEstimator):
     # -- checks ---------------------------------------------------------------
 
     def _check_params(self):
+        if self.backend not in _engines.BACKENDS:
+            raise OnnxInputError(
+                f"backend must be one of {list(_engines.BACKENDS)}, got {self.backend!r}"
+            )
         if self.loss not in self._losses_allowed:
             raise OnnxInputError(
                 f"loss={self.loss!r} is not supported by {type(self).__name__}: "
@@ -174,7 +182,7 @@ class _BaseOnnxSGD(BaseEstimator):
         """Build the training module and a fresh optimizer from ``self.model``."""
         model, _ = self._load_model()
         training = _losses.append_loss(model, self.loss)
-        module = _new_module(training, self.trainable)
+        module = _new_module(training, self.trainable, self.backend)
         penalised = _losses.penalised_initializers(model)
         params = dict(module.named_onnx_parameters())
         if not params:
@@ -335,6 +343,7 @@ class _BaseOnnxSGD(BaseEstimator):
                 rule,
                 rows,
                 _epoch_session_options(rows * self._n_weights()),
+                self.backend,
             )
         return graph
 
@@ -480,7 +489,7 @@ class _BaseOnnxSGD(BaseEstimator):
         """The model given at construction with the trained weights.
 
         Its onnxruntime predictions are :meth:`predict`'s (the raw score for a
-        classifier).
+        classifier); its IR version is one the installed onnxruntime loads.
         """
         self._check_fitted()
         model, _ = self._load_model()
@@ -489,17 +498,13 @@ class _BaseOnnxSGD(BaseEstimator):
         weights = {init.name: onnx.numpy_helper.to_array(init) for init in trained}
         # Dropout off and BatchNormalization on its running statistics, even
         # for a model exported in train mode.
-        return _graph.predicting_model(_graph.with_weights(model, weights))
+        return fit_to_runtime(_graph.predicting_model(_graph.with_weights(model, weights)))
 
     def _raw_predict(self, X):
         self._check_fitted()
         X = self._check_X(X, reset=False)
         if self._predictor is None:
-            ort = onnxruntime()
-            model = self.to_onnx()
-            session = ort.InferenceSession(
-                model.SerializeToString(), _session_options(), providers=["CPUExecutionProvider"]
-            )
+            session = training_session(self.to_onnx(), session_options(), "the predicting model")
             self._predictor = (session, session.get_inputs()[0].name)
         session, name = self._predictor
         out = session.run(None, {name: X})[0]
@@ -527,6 +532,7 @@ class _BaseOnnxSGD(BaseEstimator):
     def __setstate__(self, state):
         weights = state.pop("_saved_weights", None)
         velocities = state.pop("_saved_velocities", {})
+        state.setdefault("backend", "auto")  # pickled before the parameter existed
         super().__setstate__(state)
         self._predictor = None
         if weights is None:
@@ -583,6 +589,13 @@ class OnnxSGDRegressor(RegressorMixin, _BaseOnnxSGD):
         ``fit`` resumes from the previous fit (weights and velocities).
     trainable : None, iterable of str or callable
         Initializers to train, as :class:`ortbridge.OnnxModule`'s ``trainable``.
+    backend : {"auto", "training-agent", "onnxruntime"}
+        Where the gradients come from, named as :class:`ortbridge.OnnxModule`'s
+        engines: onnxruntime-training's gradient builder, or onnx-ad's
+        standard-op reverse graph, which maintained onnxruntime runs.
+        ``"auto"``: the builder where the training build is installed and
+        differentiates the model correctly (measured the faster here:
+        ``benchmarks/README.rst``), onnx-ad's graph otherwise.
 
     Attributes
     ----------
@@ -630,6 +643,7 @@ class OnnxSGDRegressor(RegressorMixin, _BaseOnnxSGD):
         random_state=None,
         warm_start=False,
         trainable=None,
+        backend="auto",
     ):
         super().__init__(
             model,
@@ -647,6 +661,7 @@ class OnnxSGDRegressor(RegressorMixin, _BaseOnnxSGD):
             random_state=random_state,
             warm_start=warm_start,
             trainable=trainable,
+            backend=backend,
         )
 
     def _target(self, y, dtype, first_call):
@@ -700,6 +715,7 @@ class OnnxSGDClassifier(ClassifierMixin, _BaseOnnxSGD):
         random_state=None,
         warm_start=False,
         trainable=None,
+        backend="auto",
     ):
         super().__init__(
             model,
@@ -717,6 +733,7 @@ class OnnxSGDClassifier(ClassifierMixin, _BaseOnnxSGD):
             random_state=random_state,
             warm_start=warm_start,
             trainable=trainable,
+            backend=backend,
         )
 
     def partial_fit(self, X, y, sample_weight=None, classes=None):
@@ -792,7 +809,7 @@ _ONE_THREAD_WORK = 4e6
 
 def _epoch_session_options(weights_times_rows):
     """Quiet sessions, not spinning; one thread for small steps, torch's count otherwise."""
-    so = _session_options()
+    so = session_options()
     small = 3 * weights_times_rows < _ONE_THREAD_WORK
     so.intra_op_num_threads = 1 if small else torch.get_num_threads()
     so.inter_op_num_threads = 1
@@ -807,7 +824,7 @@ def _initializer_names(model):
     return {init.name for init in model.graph.initializer}
 
 
-def _new_module(model, trainable):
+def _new_module(model, trainable, backend):
     from ..module import OnnxModule  # the core imports onnxruntime: only when fitting
 
-    return OnnxModule(model, trainable=trainable)
+    return OnnxModule(model, trainable=trainable, backend=backend)

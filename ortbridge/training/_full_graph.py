@@ -1,13 +1,11 @@
 """Full-graph training: loss, backward and optimizer in one onnxruntime graph.
 
-When the whole model is ONNX, torch has nothing left to do during training.
-:func:`build_training_graph` appends the loss (:func:`ortbridge.add_loss_output`),
-asks onnxruntime's gradient builder for the backward nodes, and appends the
-optimizer update (:mod:`._update_graph`), so that one ``run_with_iobinding``
-call runs a whole training step. The weights and the optimizer state live in
-two sets of onnxruntime buffers bound once: a step reads one set and writes
-the other, the next step the other way round. No tensor is copied between
-steps and the optimizer needs no second call.
+When the whole model is ONNX, torch has nothing left to do during training:
+each step is one onnxruntime call on a graph holding the forward, the loss,
+the gradients and the optimizer's update, with the weights and the
+optimizer state kept in onnxruntime's buffers (:mod:`._training_graph`).
+The gradients come from either source of :mod:`._gradient`, so that the
+trainer runs on the training build and on maintained onnxruntime alike.
 
 onnxruntime's own training API (``onnxruntime.training.api``) needs two calls
 a step (``Module.__call__`` then ``Optimizer.step``), copies every gradient
@@ -17,7 +15,7 @@ that is not torch's; it is not used here.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import math
 import os
@@ -28,160 +26,25 @@ import onnx
 from .. import _ort
 from .._graph import load_model, normalize, predicting_model, weights_as_inputs, with_weights
 from .._onnx_utils import FLOAT_TYPES, np_dtype
+from .._ort_limits import fit_to_runtime
 from ..exceptions import (
     NotFittedError,
     OnnxInputError,
     OnnxModelError,
     TrainingDivergedError,
 )
-from ..losses import add_loss_output, pin_ir_version
-from ._gradient import gradient_model
-from ._update_graph import (
-    LEARNING_RATE,
-    StateSlot,
-    append_update,
-    declare_slots,
-    optimizer_options,
+from ._sessions import session_options as default_session_options
+from ._sessions import training_session
+from ._training_graph import (
+    LABEL,
+    SAMPLE_WEIGHT,
+    PingPongRunner,
+    build_training_graph,
+    state_slots,
 )
+from ._update_graph import optimizer_options
 
-_LABEL = "ortbridge/label"
-_SAMPLE_WEIGHT = "ortbridge/sample_weight"
-_LOSS = "ortbridge/loss"
 _CHECKPOINT_FORMAT = "ortbridge.OrtFullGraphTrainer checkpoint"
-
-
-@dataclasses.dataclass
-class TrainingGraph:
-    """The training graph and what is needed to feed it."""
-
-    model: onnx.ModelProto
-    data_inputs: list[str]
-    slots: list[StateSlot]
-    dtype: np.dtype
-    loss: str
-
-
-def build_training_graph(
-    model: onnx.ModelProto,
-    trainable: list[str],
-    *,
-    loss: str,
-    optimizer: str,
-    options: dict,
-    weighted: bool,
-    output_index: int = 0,
-    penalty: dict | None = None,
-    session_options=None,
-) -> TrainingGraph:
-    """Forward, loss, gradients and update of ``trainable`` as one ONNX graph.
-
-    Inputs: the model's input, the label, the sample weights (if
-    ``weighted``), the learning rate, then every state slot; outputs: the
-    loss, then the next value of every slot.
-    """
-    with_loss = add_loss_output(
-        model,
-        loss,
-        weight_name=_SAMPLE_WEIGHT if weighted else None,
-        penalty=penalty,
-        output_index=output_index,
-        label_name=_LABEL,
-        loss_name=_LOSS,
-    )
-    elem = with_loss.graph.output[0].type.tensor_type.elem_type
-    shapes = {init.name: tuple(init.dims) for init in model.graph.initializer}
-    graph_model, loss_name, data_inputs = gradient_model(
-        with_loss, _LOSS, trainable, session_options or _session_options()
-    )
-    graph = graph_model.graph
-    del graph.output[1:]  # the gradients feed the update, they are not returned
-    slots = append_update(
-        graph, {name: shapes[name] for name in trainable}, np_dtype(elem), optimizer, options
-    )
-    declare_slots(graph, slots, elem)
-    pin_ir_version(graph_model)
-    return TrainingGraph(graph_model, data_inputs, slots, np_dtype(elem), loss_name)
-
-
-def _session_options():
-    """Quiet sessions whose idle threads do not spin (the machine may be shared)."""
-    ort = _ort.onnxruntime()
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return so
-
-
-class _PingPong:
-    """Runs a training graph with its state in two sets of bound buffers.
-
-    ``bindings[k]`` reads state set ``k`` and writes set ``1 - k``; after a
-    step the current set flips. The learning rate and the loss have one
-    buffer each, bound in both.
-    """
-
-    def __init__(self, training: TrainingGraph, initial: dict, session_options=None):
-        ort = _ort.onnxruntime()
-        C = ort.capi._pybind_state
-        self.training = training
-        self.device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
-        so = session_options or _session_options()
-        try:
-            self.session = ort.InferenceSession(
-                training.model.SerializeToString(), so, providers=["CPUExecutionProvider"]
-            )
-        except Exception as exc:
-            raise OnnxModelError(f"onnxruntime cannot load the training graph: {exc}") from exc
-        dtype = training.dtype
-
-        def buffer(shape):
-            return C.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device)
-
-        self.sets = [{s.input: buffer(s.shape) for s in training.slots} for _ in range(2)]
-        self.learning_rate = buffer(())
-        self.loss = C.OrtValue.ortvalue_from_shape_and_type([], np.float32, self.device)
-        self.bindings = []
-        for k in range(2):
-            binding = C.SessionIOBinding(self.session._sess)
-            for slot in training.slots:
-                binding.bind_ortvalue_input(slot.input, self.sets[k][slot.input])
-                binding.bind_ortvalue_output(slot.output, self.sets[1 - k][slot.input])
-            binding.bind_ortvalue_input(LEARNING_RATE, self.learning_rate)
-            binding.bind_ortvalue_output(training.loss, self.loss)
-            self.bindings.append(binding)
-        self.current = 0
-        self.run_options = C.RunOptions()
-        # The one onnxruntime call of a step (a bound method: tests count it).
-        self.run = self.session._sess.run_with_iobinding
-        self.write_state(initial)
-
-    def write_state(self, values: dict) -> None:
-        """Copy ``values`` (slot input name -> array) into the current set."""
-        for name, value in values.items():
-            target = self.sets[self.current][name]
-            self.sets[self.current][name].update_inplace(
-                np.ascontiguousarray(value, dtype=self.training.dtype).reshape(target.shape())
-            )
-
-    def read_state(self) -> dict:
-        """Copies of the current state, slot input name -> array."""
-        return {name: value.numpy() for name, value in self.sets[self.current].items()}
-
-    def step(self, arrays: list[np.ndarray]) -> float:
-        """One training step on a batch (contiguous arrays, in ``data_inputs`` order)."""
-        binding = self.bindings[self.current]
-        for name, array in zip(self.training.data_inputs, arrays):
-            # Bound by address: the batch is not copied.
-            binding.bind_input(name, self.device, array.dtype, array.shape, array.ctypes.data)
-        try:
-            self.run(binding, self.run_options)
-        except Exception as exc:
-            raise OnnxModelError(
-                f"onnxruntime failed to run a training step on a batch of shapes "
-                f"{[a.shape for a in arrays]}: {exc}"
-            ) from exc
-        self.current = 1 - self.current
-        return float(self.loss.numpy())
 
 
 class OrtFullGraphTrainer:
@@ -231,6 +94,14 @@ class OrtFullGraphTrainer:
         Which model output is the prediction.
     session_options : onnxruntime.SessionOptions, optional
         Options of the training and predicting sessions.
+    backend : {"auto", "training-agent", "onnxruntime"}
+        Where the gradients come from, named as :class:`ortbridge.OnnxModule`'s
+        engines: onnxruntime-training's gradient builder (one graph for every
+        batch shape), or onnx-ad's standard-op reverse graph, which
+        maintained onnxruntime runs (one graph per batch shape: the last
+        batch of an epoch gets its own). ``"auto"``: onnx-ad's graph, measured
+        the faster of the two here; the builder where onnx-ad refuses the model
+        and the training build is installed.
 
     Attributes
     ----------
@@ -274,6 +145,7 @@ class OrtFullGraphTrainer:
         penalty: dict | None = None,
         output_index: int = 0,
         session_options=None,
+        backend: str = "auto",
     ):
         self.model = model
         self.loss = loss
@@ -288,9 +160,10 @@ class OrtFullGraphTrainer:
         self.penalty = penalty
         self.output_index = output_index
         self.session_options = session_options
+        self.backend = backend
         self._onnx = None
-        self._runners: dict[bool, _PingPong] = {}
-        self._active: _PingPong | None = None
+        self._runners: dict[bool, PingPongRunner] = {}
+        self._active: PingPongRunner | None = None
         self._predictor = None
 
     # -- public API ---------------------------------------------------------
@@ -320,14 +193,17 @@ class OrtFullGraphTrainer:
         """
         self._prepare()
         X, y, sample_weight = self._check_data(X, y, sample_weight)
-        runner = self._runner(weighted=sample_weight is not None)
-        if self._rng is None:
-            self._rng = np.random.default_rng(self.random_state)
-        runner.learning_rate.update_inplace(np.array(self.learning_rate, dtype=self._dtype))
-        columns = [X, y] + ([sample_weight] if sample_weight is not None else [])
         n, batch = len(X), int(self.batch_size)
         if batch < 1:
             raise OnnxInputError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        columns = [X, y] + ([sample_weight] if sample_weight is not None else [])
+        # The shapes of the first batch and of a shorter last one.
+        starts = [0] + ([n - n % batch] if n % batch else [])
+        shapes = [[c[start : start + batch].shape for c in columns] for start in starts]
+        runner = self._runner(weighted=sample_weight is not None, shapes=shapes)
+        if self._rng is None:
+            self._rng = np.random.default_rng(self.random_state)
+        runner.learning_rate.update_inplace(np.array(self.learning_rate, dtype=self._dtype))
         for _ in range(int(self.max_iter)):
             epoch = columns
             if self.shuffle:
@@ -361,17 +237,14 @@ class OrtFullGraphTrainer:
         """
         runner = self._fitted_runner("predict")
         X = self._check_inputs(X)
-        ort = _ort.onnxruntime()
-        C = ort.capi._pybind_state
+        C = _ort.capi()
         if self._predictor is None:
             predicting = weights_as_inputs(
                 predicting_model(load_model(self._onnx)), self._trainable
             )
-            pin_ir_version(predicting)
-            so = self.session_options or _session_options()
-            self._predictor = ort.InferenceSession(
-                predicting.SerializeToString(), so, providers=["CPUExecutionProvider"]
-            )
+            fit_to_runtime(predicting)
+            so = self.session_options or default_session_options()
+            self._predictor = training_session(predicting, so, "the predicting model")
         binding = C.SessionIOBinding(self._predictor._sess)
         for name in self._trainable:
             binding.bind_ortvalue_input(name, runner.sets[runner.current][name])
@@ -394,10 +267,10 @@ class OrtFullGraphTrainer:
         -------
         onnx.ModelProto
             The input model (normalised) with new initializer values, Dropout
-            switched off; IR version at most 10.
+            switched off; the IR version the installed onnxruntime loads.
         """
         weights = self.get_weights()
-        return pin_ir_version(predicting_model(with_weights(self._onnx, weights)))
+        return fit_to_runtime(predicting_model(with_weights(self._onnx, weights)))
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """Copies of the trained weights, name -> array."""
@@ -488,8 +361,8 @@ class OrtFullGraphTrainer:
             )
         batch_norms = [n.name for n in model.graph.node if n.op_type == "BatchNormalization"]
         if batch_norms:
-            # onnxruntime's gradient builder trains them with batch statistics
-            # and the graph has no way to update the running ones.
+            # Trained in train mode they use batch statistics, and the graph has
+            # no way to update the running ones.
             raise OnnxModelError(
                 f"OrtFullGraphTrainer cannot train BatchNormalization nodes {batch_norms}: "
                 "their running statistics would never be updated; train the model with "
@@ -528,14 +401,17 @@ class OrtFullGraphTrainer:
         self.n_iter_ = 0
         self.n_steps_ = 0
 
-    def _runner(self, weighted: bool) -> _PingPong:
+    def _runner(self, weighted: bool, shapes: list = ()) -> PingPongRunner:
         """The runner of the graph variant with or without sample weights.
 
         Switching variants copies the state once from the other variant.
+        ``shapes``: the batch shapes of the coming fit, whose graphs are built
+        before anything changes (a model that cannot be trained fails here).
         """
         runner = self._runners.get(weighted)
         if runner is None:
-            training = build_training_graph(
+            build = functools.partial(
+                build_training_graph,
                 self._onnx,
                 self._trainable,
                 loss=self.loss,
@@ -545,18 +421,33 @@ class OrtFullGraphTrainer:
                 output_index=self.output_index,
                 penalty=self.penalty,
                 session_options=self.session_options,
+                backend=self.backend,
+            )
+            slots = state_slots(
+                self._onnx, self._trainable, self._dtype, self.optimizer, self._options
             )
             if self._active is not None:
                 initial = self._active.read_state()
             else:
                 initial = {
                     s.input: self._initial[s.input] if s.kind == "weight" else np.zeros(s.shape)
-                    for s in training.slots
+                    for s in slots
                 }
-            runner = _PingPong(training, initial, self.session_options)
+            data = [self._input_name, LABEL] + ([SAMPLE_WEIGHT] if weighted else [])
+            runner = PingPongRunner(
+                slots,
+                self._dtype,
+                data,
+                lambda shapes: build(shapes=shapes),
+                initial,
+                self.session_options,
+            )
+            runner.prepare(shapes)
             self._runners[weighted] = runner
-        elif self._active is not None and self._active is not runner:
-            runner.write_state(self._active.read_state())
+        else:
+            runner.prepare(shapes)
+            if self._active is not None and self._active is not runner:
+                runner.write_state(self._active.read_state())
         self._active = runner
         self._fitted = True
         return runner
@@ -570,19 +461,19 @@ class OrtFullGraphTrainer:
             "version": 1,
             "optimizer": self.optimizer,
             "loss": self.loss,
-            "slots": [s.input for s in runner.training.slots],
+            "slots": [s.input for s in runner.slots],
             "train_losses": self.train_losses_,
             "n_iter": self.n_iter_,
             "n_steps": self.n_steps_,
             "rng": self._rng.bit_generator.state if self._rng is not None else None,
         }
-        arrays = {f"state_{k}": state[s.input] for k, s in enumerate(runner.training.slots)}
+        arrays = {f"state_{k}": state[s.input] for k, s in enumerate(runner.slots)}
         return meta, arrays
 
     def _restore(self, meta: dict, arrays: dict, where: str) -> OrtFullGraphTrainer:
         self._prepare()
         runner = self._active or self._runner(weighted=False)
-        expected = [s.input for s in runner.training.slots]
+        expected = [s.input for s in runner.slots]
         if meta["slots"] != expected or meta["optimizer"] != self.optimizer:
             raise OnnxInputError(
                 f"{where} holds optimizer {meta['optimizer']!r} state {meta['slots']}, "
@@ -599,7 +490,7 @@ class OrtFullGraphTrainer:
         self._fitted = True
         return self
 
-    def _fitted_runner(self, what: str) -> _PingPong:
+    def _fitted_runner(self, what: str) -> PingPongRunner:
         if self._onnx is None or not self._fitted or self._active is None:
             raise NotFittedError(
                 f"this OrtFullGraphTrainer is not fitted: call fit or load_checkpoint before {what}"

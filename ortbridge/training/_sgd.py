@@ -43,7 +43,7 @@ import torch
 from onnx import TensorProto, helper
 
 from .._onnx_utils import make_model
-from .._ort import capi, onnxruntime
+from .._ort import capi, runtime
 from ..exceptions import OnnxInputError, OnnxTypeError, OrtBridgeError
 
 _ELEM = {torch.float32: TensorProto.FLOAT, torch.float64: TensorProto.DOUBLE}
@@ -181,7 +181,7 @@ class _Update:
     """A session running one layout, and its binding to the tensors' memory."""
 
     def __init__(self, layout):
-        ort = onnxruntime()
+        ort = runtime()  # standard operators only: any onnxruntime runs them
         model = build_update_graph(layout)
         options = ort.SessionOptions()
         # Elementwise work on small tensors: one thread, and no spinning against

@@ -1,7 +1,7 @@
 """Optimizer updates written as plain ONNX nodes, appended to a gradient graph.
 
 Each optimizer reads the weights, their gradients ``<weight>_grad`` (the names
-onnxruntime's gradient builder gives them) and its own state as graph inputs,
+both gradient sources of :mod:`._gradient` give them) and its own state as graph inputs,
 and writes the next weights and next state as graph outputs, so that one
 onnxruntime call runs forward, backward and update. The formulas are torch's:
 
