@@ -55,8 +55,6 @@ nitpick_ignore_regex = [
 nitpick_ignore = [
     # gradcheck's return type lives in a private module (see its Returns section).
     ("py:class", "ortbridge._gradcheck.GradcheckReport"),
-    # ortbridge.training's docstring names its private module ._gradient.
-    ("py:mod", "_gradient"),
 ]
 
 sphinx_gallery_conf = {

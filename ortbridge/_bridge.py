@@ -12,7 +12,7 @@ import torch
 
 from . import _engines, _graph
 from ._runtime import InferenceGraph, current_stream
-from .exceptions import NotDifferentiableError, OnnxModelError
+from .exceptions import NotDifferentiableError, OnnxInputError, OnnxModelError
 
 
 class Bridge:
@@ -179,16 +179,58 @@ class Bridge:
         return graph
 
     def update_running_stats(self, tensors, new_stats) -> None:
-        """Copy the new running statistics (train mode) into their buffers."""
+        """Copy the new running statistics (train mode) into their buffers.
+
+        As torch's BatchNorm: a batch with one value per channel is refused
+        and an empty batch leaves the statistics as they are. Nothing is
+        written unless every node's statistics can be.
+        """
         if not new_stats:
             return
+        counts = self._values_per_channel(tensors)
+        updates = []
+        for k, (count, stats) in enumerate(zip(counts, self.batch_norms)):
+            mean_pos, var_pos = self._stat_positions[k]
+            mean, var = new_stats[2 * k], new_stats[2 * k + 1]
+            if count == 0:
+                continue
+            if count == 1 or (
+                count is None
+                and not (bool(torch.isfinite(var).all()) and bool(torch.isfinite(mean).all()))
+                and bool(torch.isfinite(tensors[var_pos]).all())
+            ):
+                got = (
+                    f"got {count}"
+                    if count is not None
+                    else "its batch statistics are NaN or infinite (too few values, or "
+                    "non-finite inputs)"
+                )
+                raise OnnxInputError(
+                    f"BatchNormalization node {stats.node_name!r} in train mode: expected more "
+                    f"than 1 value per channel, {got}; torch's BatchNorm refuses such a batch "
+                    "too. The running statistics are left unchanged: use a larger batch, or "
+                    "eval mode"
+                )
+            updates.append((mean_pos, mean, var_pos, var))
         with torch.no_grad():
-            for (mean_pos, var_pos), k in zip(self._stat_positions, range(0, len(new_stats), 2)):
-                tensors[mean_pos].copy_(new_stats[k])
-                tensors[var_pos].copy_(new_stats[k + 1])
+            for mean_pos, mean, var_pos, var in updates:
+                tensors[mean_pos].copy_(mean)
+                tensors[var_pos].copy_(var)
 
-    def run_inference(self, mode: str, tensors) -> list[torch.Tensor]:
-        graph = self.inference_graph(mode, tensors[0].device)
+    def _values_per_channel(self, tensors) -> list:
+        """Values per channel of each BatchNormalization, per input shapes (cached)."""
+        shapes = tuple(tuple(t.shape) for t in tensors[: len(self.input_names)])
+        cache = self.__dict__.setdefault("_counts", {})
+        counts = cache.get(shapes)
+        if counts is None:
+            if len(cache) > 64:  # a varying sequence length, say: keep the cache bounded
+                cache.clear()
+            named = dict(zip(self.input_names, shapes))
+            counts = cache[shapes] = _graph.values_per_channel(self.model, self.batch_norms, named)
+        return counts
+
+    def run_inference(self, mode: str, tensors, device: torch.device) -> list[torch.Tensor]:
+        graph = self.inference_graph(mode, device)
         outputs = graph.run(dict(zip(self.feed_names, tensors)))
         n_user = len(outputs) - (2 * len(self.batch_norms) if mode == _graph.TRAIN else 0)
         self.update_running_stats(tensors, outputs[n_user:])

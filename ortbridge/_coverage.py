@@ -348,6 +348,11 @@ def _training_mode(model: onnx.ModelProto) -> bool:
 # -- onnxruntime inference, the reference -------------------------------------
 
 
+def _magnitude(array: np.ndarray) -> float:
+    finite = np.abs(array[np.isfinite(array)])
+    return float(finite.max()) if finite.size else 0.0
+
+
 def _reference_session(model: onnx.ModelProto):
     import onnxruntime as ort
 
@@ -495,6 +500,21 @@ def _check(case: NodeCase, result: CaseResult, samples: int, backend: str) -> No
             raise _Skip(
                 f"onnxruntime's output {name!r} has shape {np.shape(got)} where onnx expects "
                 f"{want.shape}: no reference"
+            )
+        if (
+            isinstance(want, np.ndarray)
+            and want.dtype.kind == "f"
+            and np.asarray(got).dtype.kind == "f"
+            and not np.allclose(
+                got, want, rtol=1e-3, atol=1e-4 * max(1.0, _magnitude(want)), equal_nan=True
+            )
+        ):
+            # The installed runtime computes the case wrongly (onnxruntime 1.19.2's
+            # ReverseSequence leaves a length-0 row unwritten): it is no reference.
+            worst = float(np.max(np.abs(np.asarray(got, np.float64) - want)))
+            raise _Skip(
+                f"onnxruntime's output {name!r} differs from onnx's expected one by up to "
+                f"{worst:.3g}: no reference"
             )
 
     rng = np.random.default_rng(zlib.crc32(case.name.encode()))

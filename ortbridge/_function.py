@@ -83,7 +83,12 @@ def _backward(ctx, *grad_outputs):
             shape, dtype, device = ctx.output_meta[idx]
             grad = torch.zeros(shape if idx in graph.full_shape else (), dtype=dtype, device=device)
         feeds.append(grad.contiguous())
-    if torch.is_grad_enabled():
+    if feeds and all(f is None or f.numel() == 0 for f in feeds):
+        # Empty outputs (a batch of zero rows): a vector-Jacobian product over
+        # no elements is zero. onnxruntime's kernels may refuse empty shapes.
+        tensors = _inputs(ctx, saved)
+        grads = [torch.zeros_like(tensors[slot]) for slot in graph.grad_slots]
+    elif torch.is_grad_enabled():
         grads = _differentiable_backward(ctx, graph, feeds, saved)
     elif positional:
         n_kept, n_out = ctx.n_kept, ctx.n_saved_outputs

@@ -16,6 +16,7 @@ import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
 from . import _activations
+from ._model_checks import check_loaded, check_runnable
 from ._onnx_utils import FLOAT_TYPES, node_reads, np_dtype
 from ._sequence_rewrites import sequences_as_tensors
 from .exceptions import NotDifferentiableError, OnnxModelError, OnnxTypeError
@@ -94,7 +95,7 @@ def load_model(model) -> onnx.ModelProto:
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
-        return copy
+        return check_loaded(copy, "the model given")
     if isinstance(model, (bytes, bytearray, memoryview)):
         return _parse(bytes(model), "the bytes given")
     if isinstance(model, (str, os.PathLike)):
@@ -103,9 +104,10 @@ def load_model(model) -> onnx.ModelProto:
             raise OnnxModelError(f"ONNX file {path!r} does not exist")
         try:
             # onnx.load also reads weights stored as external data beside the file.
-            return onnx.load(path)
+            loaded = onnx.load(path)
         except Exception as exc:
             raise OnnxModelError(f"file {path!r} is not a valid ONNX model: {exc}") from exc
+        return check_loaded(loaded, f"file {path!r}")
     raise OnnxTypeError(
         f"model must be a path, bytes or onnx.ModelProto, got {type(model).__name__}"
     )
@@ -117,9 +119,7 @@ def _parse(data: bytes, where: str) -> onnx.ModelProto:
         model.ParseFromString(data)
     except Exception as exc:  # protobuf raises its own DecodeError
         raise OnnxModelError(f"{where} is not a valid ONNX model: {exc}") from exc
-    if not model.graph.node and not model.graph.output:
-        raise OnnxModelError(f"{where} is not a valid ONNX model: it holds no graph")
-    return model
+    return check_loaded(model, where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +273,9 @@ def _all_names(graph: onnx.GraphProto) -> set[str]:
 def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     """Rewrite nodes onnxruntime's gradient builder refuses into equivalent ones.
 
+    The model is first checked (:func:`._model_checks.check_runnable`): what
+    onnxruntime could not load is refused in plain words.
+
     - ``CastLike`` has no registered gradient: it becomes a ``Cast`` to the
       statically known type of its second input.
     - ``LayerNormalization`` with only its first output fails inside the
@@ -296,6 +299,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
       (:func:`._sequence_rewrites.sequences_as_tensors`): the builder follows
       no weight into a sequence.
     """
+    check_runnable(model)
     model = _at_least_opset(model, MIN_OPSET)
     model = sequences_as_tensors(model, loops=False)
     graph = model.graph
@@ -401,6 +405,40 @@ def batch_norm_nodes(model: onnx.ModelProto) -> list[BatchNormStats]:
                 )
             )
     return found
+
+
+def values_per_channel(
+    model: onnx.ModelProto, batch_norms: list[BatchNormStats], shapes: dict[str, tuple]
+) -> list[int | None]:
+    """How many values each BatchNormalization averages per channel, for these input shapes.
+
+    ``shapes``: the shape of each graph input. None where shape inference
+    cannot tell the node's input shape.
+    """
+    sized = onnx.ModelProto()
+    sized.CopyFrom(model)
+    for value in sized.graph.input:
+        if value.name in shapes:
+            dims = value.type.tensor_type.shape.dim
+            del dims[:]
+            for size in shapes[value.name]:
+                dims.add().dim_value = size
+    try:
+        inferred = onnx.shape_inference.infer_shapes(sized)
+    except Exception:  # noqa: BLE001 - an unknown count is checked after the run instead
+        return [None] * len(batch_norms)
+    known = {}
+    for value in [*inferred.graph.input, *inferred.graph.value_info]:
+        dims = value.type.tensor_type.shape.dim
+        if dims and all(d.HasField("dim_value") for d in dims):
+            known[value.name] = [d.dim_value for d in dims]
+    inputs = {n.name: n.input[0] for n in model.graph.node if n.op_type == "BatchNormalization"}
+    counts = []
+    for stats in batch_norms:
+        shape = known.get(inputs.get(stats.node_name))
+        ok = shape is not None and len(shape) >= 2 and shape[1] > 0
+        counts.append(int(np.prod(shape)) // shape[1] if ok else None)
+    return counts
 
 
 def make_variant(

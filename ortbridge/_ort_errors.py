@@ -14,7 +14,7 @@ import re
 
 import onnx
 
-from .exceptions import NotDifferentiableError, OrtBridgeError
+from .exceptions import NotDifferentiableError, OnnxModelError, OrtBridgeError
 
 _NODE_FORMS = (
     re.compile(r"node with name '([^']+)'"),
@@ -140,7 +140,11 @@ def translate(
         if kernel:
             where += f", in its gradient kernel {kernel}"
     status = status_of(text)
-    if status in _PLAIN_STATUS and status != "FAIL":
+    asked = _ALLOCATION.search(text)
+    if asked:
+        size = int(asked.group(1))
+        reason = f"out of memory: the node asked for {size} bytes ({size / 2**30:.3g} GiB)"
+    elif status in _PLAIN_STATUS and status != "FAIL":
         reason = f"{_PLAIN_STATUS[status]}: {reason}"
     if refuse is None:
         return OrtBridgeError(f"onnxruntime could not {doing}{where}: {reason}")
@@ -151,3 +155,25 @@ def translate(
         node=node,
         op_type=op_type,
     )
+
+
+_ALLOCATION = re.compile(r"Failed to allocate memory for requested buffer of size (\d+)")
+_UNREGISTERED = re.compile(r"([\w.]+):(\w+)\(-?\d+\) is not a registered function/op")
+
+
+def load_error(exc: BaseException, model: onnx.ModelProto | None, what: str) -> OnnxModelError:
+    """An :class:`OnnxModelError` saying why onnxruntime could not load ``what``."""
+    text = str(exc)
+    unregistered = _UNREGISTERED.search(text)
+    if unregistered:
+        domain, op_type = unregistered.groups()
+        return OnnxModelError(
+            f"onnxruntime cannot load {what}: it has no operator {op_type!r} in domain "
+            f"{domain!r}. Custom operators need their library: "
+            "options.register_custom_ops_library(path), then session_options=options"
+        )
+    found = culprit(text, model)
+    where = (
+        f" at node {found[0]!r}" + (f" (op type {found[1]})" if found[1] else "") if found else ""
+    )
+    return OnnxModelError(f"onnxruntime cannot load {what}{where}: {plain(text)}")

@@ -12,6 +12,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from . import _ort
+from ._ort_errors import load_error, translate
 from ._threads import start_pinned
 from .exceptions import OnnxModelError, OrtBridgeError
 
@@ -42,7 +43,9 @@ def default_session_options(device: torch.device):
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    so.log_severity_level = 3
+    # Failures come back as exceptions in plain words: onnxruntime's own log
+    # line for them would only repeat its C++ text on stderr.
+    so.log_severity_level = 4
     return so
 
 
@@ -164,7 +167,8 @@ def _session(model, device, session_options, providers):
                 disabled_optimizers=disabled or None,
             )
         except Exception as exc:
-            raise OnnxModelError(f"onnxruntime cannot load the graph: {exc}") from exc
+            graph = model if isinstance(model, onnx.ModelProto) else None
+            raise load_error(exc, graph, "the graph") from exc
 
     if session_options is not None:
         return create(session_options, own=False), None
@@ -201,6 +205,7 @@ class InferenceGraph(SessionHolder):
 
     def __init__(self, model: onnx.ModelProto, device, session_options=None, providers=None):
         self.session, self.pinning = _session(model, device, session_options, providers)
+        self._model = model  # names the node of a run-time failure
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._devices = [ort_device(device)] * len(self.output_names)
@@ -222,5 +227,5 @@ class InferenceGraph(SessionHolder):
                 self._devices,
             )
         except Exception as exc:
-            raise OrtBridgeError(f"onnxruntime failed to run the graph: {exc}") from exc
+            raise translate(exc, "run the graph", self._model) from exc
         return from_ortvalues(outputs)

@@ -16,6 +16,7 @@ from ._function import make_function
 from .exceptions import NotDifferentiableError, OnnxInputError, OnnxTypeError, OrtBridgeError
 
 _BATCH_NORM_MODES = ("track", "frozen")
+_CPU = torch.device("cpu")
 
 
 class OnnxModule(nn.Module):
@@ -127,10 +128,16 @@ class OnnxModule(nn.Module):
     def _build_bridge(self, prepared: onnx.ModelProto | None = None) -> None:
         # Expected dtypes, computed once: forward checks every call against them.
         self._input_dtypes = [_torch_dtype(spec) for spec in self._summary.inputs]
-        self._weight_dtypes = [
-            _TORCH_DTYPES.get(self._summary.float_initializers[n].dtype.str)
-            for n in self._weight_names
-        ]
+        floats = self._summary.float_initializers
+        self._weight_dtypes = [_TORCH_DTYPES.get(floats[n].dtype.str) for n in self._weight_names]
+        self._weight_shapes = [floats[n].shape for n in self._weight_names]
+        # Symbolic dimensions two inputs share: their sizes must agree at a call.
+        where: dict[str, list] = {}
+        for i, spec in enumerate(self._summary.inputs):
+            for axis, dim in enumerate(spec.shape or ()):
+                if isinstance(dim, str):
+                    where.setdefault(dim, []).append((i, axis))
+        self._shared_dims = {d: places for d, places in where.items() if len(places) > 1}
         self._bridge = Bridge(
             prepared if prepared is not None else self._summary_model(),
             [s.name for s in self._summary.inputs],
@@ -264,17 +271,20 @@ class OnnxModule(nn.Module):
         inputs = self._bind(args, kwargs)
         weights = self._weights()
         self._check_weights(weights)
-        device = weights[0].device if weights else inputs[0].device
+        # A graph with neither weights nor inputs (constants only) runs on the CPU.
+        device = weights[0].device if weights else inputs[0].device if inputs else _CPU
         inputs = [
             self._check_input(spec, dtype, t, device)
             for spec, dtype, t in zip(self._summary.inputs, self._input_dtypes, inputs)
         ]
+        if self._shared_dims:
+            self._check_shared_dims(inputs)
         tensors = inputs + weights
         mode = _graph.TRAIN if self.training else _graph.EVAL
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             outputs = self.function.apply(self._bridge, mode, *tensors)
         else:
-            outputs = self._bridge.run_inference(mode, tensors)
+            outputs = self._bridge.run_inference(mode, tensors, device)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _bind(self, args, kwargs) -> list[torch.Tensor]:
@@ -327,15 +337,37 @@ class OnnxModule(nn.Module):
             )
         return tensor.contiguous()
 
+    def _check_shared_dims(self, inputs) -> None:
+        specs = self._summary.inputs
+        for dim, places in self._shared_dims.items():
+            sizes = {(i, axis): inputs[i].shape[axis] for i, axis in places}
+            if len(set(sizes.values())) > 1:
+                shown = ", ".join(
+                    f"{specs[i].name!r} axis {axis} is {size}" for (i, axis), size in sizes.items()
+                )
+                raise OnnxInputError(
+                    f"dimension {dim!r} must have one size across the inputs: {shown}"
+                )
+
     def _check_weights(self, weights) -> None:
-        if [w.dtype for w in weights] == self._weight_dtypes:  # the usual case, in one test
+        if [w.dtype for w in weights] == self._weight_dtypes and [
+            w.shape for w in weights
+        ] == self._weight_shapes:  # the usual case, in two tests
             return
-        for name, expected, tensor in zip(self._weight_names, self._weight_dtypes, weights):
+        for name, expected, shape, tensor in zip(
+            self._weight_names, self._weight_dtypes, self._weight_shapes, weights
+        ):
             if expected is not None and tensor.dtype != expected:
                 raise OrtBridgeError(
                     f"weight {name!r} is {tensor.dtype} but the ONNX graph computes in "
                     f"{expected}: .double()/.half() cannot change an ONNX graph's types; "
                     "convert the ONNX model itself, or use torch.autocast for inputs"
+                )
+            if tuple(tensor.shape) != tuple(shape):
+                raise OnnxInputError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, but the ONNX graph's "
+                    f"initializer {name!r} has shape {tuple(shape)}: a weight may change its "
+                    "values, not its shape"
                 )
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

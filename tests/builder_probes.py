@@ -134,3 +134,18 @@ def probe(name: str, suite=None) -> _coverage.NodeCase:
     found = [c for c in cases if c.name == name]
     assert found, f"no node test case named {name!r} in this onnx"
     return found[0]
+
+
+def reshape_allowzero_beside_a_weight():
+    """An empty tensor reshaped with allowzero=1, summed into an output a weight reaches."""
+    nodes = [
+        h.make_node("Reshape", ["x", "shape"], ["r"], allowzero=1),
+        h.make_node("ReduceSum", ["r"], ["s"], keepdims=0),
+        h.make_node("Mul", ["w", "w"], ["ww"]),
+        h.make_node("Add", ["ww", "s"], ["y"]),
+    ]
+    init = [nh.from_array(np.array([3, 4, 0], np.int64), "shape")]
+    return _case(
+        "reshape_allowzero_beside_a_weight", "Reshape", nodes, ["x", "w"],
+        [_random(0, 3, 4), _random(2)], ["y"], initializers=init,
+    )  # fmt: skip

@@ -191,7 +191,7 @@ def test_autograd_sees_the_update():
 
 def test_errors_name_what_is_wrong():
     w = torch.nn.Parameter(torch.ones(3))
-    with pytest.raises(OnnxInputError, match="lr must be a number >= 0, got -1"):
+    with pytest.raises(OnnxInputError, match="lr must be a finite number >= 0, got -1"):
         OrtSGD([w], lr=-1)
     with pytest.raises(OnnxInputError, match="nesterov=True needs momentum > 0"):
         OrtSGD([w], lr=0.1, nesterov=True)

@@ -232,7 +232,7 @@ LIMITS: tuple[Limit, ...] = (
     ),
     Limit(
         "reshape-allowzero", ("Reshape",), FAILS, "allowzero=1 and a 0 in a constant shape",
-        _allow_zero, "test_reshape_allowzero_reordered",
+        _allow_zero, "reshape_allowzero_beside_a_weight",
     ),
     Limit(
         "reduce-l2-opset17", ("ReduceL2",), FAILS, "an ai.onnx opset below 18",

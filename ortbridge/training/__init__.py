@@ -4,7 +4,7 @@ run by onnxruntime.
 Everything here runs on onnxruntime-training 1.19.2 and on maintained
 onnxruntime alike: the gradients come from the training build's gradient
 builder where it is installed, from onnx-ad's standard-op reverse graph
-otherwise (``backend``, :mod:`._gradient`).
+otherwise (the ``backend`` argument of each trainer).
 """
 
 from __future__ import annotations

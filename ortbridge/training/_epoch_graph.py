@@ -49,6 +49,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .._ort_errors import translate
 from .._ort_limits import fit_to_runtime
 from ._gradient import ONNX_AD, gradient_model
 from ._sessions import training_session
@@ -302,5 +303,8 @@ class EpochGraph:
             feeds[f"{_P}all/pen_l2"] = np.array(0.5 * alpha * (1 - l1_ratio), self.dtype)
         for k, array in enumerate(state):
             feeds[f"{_P}in/{k}"] = array
-        out = self.session.run(None, feeds)
+        try:
+            out = self.session.run(None, feeds)
+        except Exception as exc:  # onnxruntime raises its own RuntimeError types
+            raise translate(exc, "run the epoch graph") from exc
         return out[:-1], out[-1]

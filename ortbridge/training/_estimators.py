@@ -153,6 +153,24 @@ class _BaseOnnxSGD(BaseEstimator):
             )
         return X
 
+    def _check_widths(self, model, X, target):
+        """X's features and y's columns against the model's input and prediction."""
+        name = type(self).__name__
+        x_info = next(i for i in model.graph.input if i.name not in _initializer_names(model))
+        features = _static_dim(x_info, 1)
+        if features is not None and X.shape[1] != features:
+            raise OnnxInputError(
+                f"X has {X.shape[1]} features, but {name} is expecting {features} features "
+                f"as input (the model's input {x_info.name!r})"
+            )
+        prediction = model.graph.output[0]
+        columns = _static_dim(prediction, 1)
+        if columns is not None and target.shape[1] != columns:
+            raise OnnxInputError(
+                f"y has {target.shape[1]} target column(s), but {name} is expecting "
+                f"{columns} (the model's output {prediction.name!r})"
+            )
+
     def _check_fitted(self):
         if not hasattr(self, "module_"):
             raise NotFittedError(
@@ -216,11 +234,13 @@ class _BaseOnnxSGD(BaseEstimator):
 
     def _prepare(self, X, y, sample_weight, first_call):
         if first_call:
-            _, self._dtype_ = self._load_model()
+            model, self._dtype_ = self._load_model()
         X = self._check_X(X, reset=first_call)
         target = self._target(y, self._dtype_, first_call)
         if target.shape[0] != X.shape[0]:
             raise OnnxInputError(f"X has {X.shape[0]} rows but y has {target.shape[0]}")
+        if first_call:  # before onnxruntime sees them, in scikit-learn's words
+            self._check_widths(model, X, target)
         if sample_weight is None:
             weight = None
         else:
@@ -818,6 +838,13 @@ def _epoch_session_options(weights_times_rows):
 
 def _positive_int(value):
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+
+
+def _static_dim(value: onnx.ValueInfoProto, axis: int) -> int | None:
+    dims = value.type.tensor_type.shape.dim
+    if len(dims) <= axis or not dims[axis].HasField("dim_value"):
+        return None
+    return dims[axis].dim_value
 
 
 def _initializer_names(model):

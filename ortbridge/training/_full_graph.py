@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import zipfile
 
 import numpy as np
 import onnx
@@ -26,6 +27,7 @@ import onnx
 from .. import _ort
 from .._graph import load_model, normalize, predicting_model, weights_as_inputs, with_weights
 from .._onnx_utils import FLOAT_TYPES, np_dtype
+from .._ort_errors import plain
 from .._ort_limits import fit_to_runtime
 from ..exceptions import (
     NotFittedError,
@@ -42,7 +44,7 @@ from ._training_graph import (
     build_training_graph,
     state_slots,
 )
-from ._update_graph import optimizer_options
+from ._update_graph import check_learning_rate, optimizer_options
 
 _CHECKPOINT_FORMAT = "ortbridge.OrtFullGraphTrainer checkpoint"
 
@@ -191,6 +193,7 @@ class OrtFullGraphTrainer:
         TrainingDivergedError
             The loss became NaN or infinite.
         """
+        learning_rate = check_learning_rate(self.learning_rate)
         self._prepare()
         X, y, sample_weight = self._check_data(X, y, sample_weight)
         n, batch = len(X), int(self.batch_size)
@@ -203,7 +206,7 @@ class OrtFullGraphTrainer:
         runner = self._runner(weighted=sample_weight is not None, shapes=shapes)
         if self._rng is None:
             self._rng = np.random.default_rng(self.random_state)
-        runner.learning_rate.update_inplace(np.array(self.learning_rate, dtype=self._dtype))
+        runner.learning_rate.update_inplace(np.array(learning_rate, dtype=self._dtype))
         for _ in range(int(self.max_iter)):
             epoch = columns
             if self.shuffle:
@@ -256,7 +259,7 @@ class OrtFullGraphTrainer:
         except Exception as exc:
             raise OnnxModelError(
                 f"onnxruntime failed to predict on input {self._input_name!r} of shape "
-                f"{X.shape}: {exc}"
+                f"{X.shape}: {plain(exc)}"
             ) from exc
         return binding.get_outputs()[0].numpy()
 
@@ -312,7 +315,7 @@ class OrtFullGraphTrainer:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"]))
                 arrays = {k: data[k] for k in data.files if k != "meta"}
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
             raise OnnxInputError(f"{path!r} is not a trainer checkpoint: {exc}") from exc
         if meta.get("format") != _CHECKPOINT_FORMAT:
             raise OnnxInputError(f"{path!r} is not an OrtFullGraphTrainer checkpoint")
@@ -523,9 +526,16 @@ class OrtFullGraphTrainer:
             y = y.reshape(-1, 1)
         elif y.ndim == rank + 1 and y.ndim == 2 and y.shape[1] == 1:
             y = y.reshape(-1)
-        if len(y) != n or (rank and y.ndim != rank):
+        dims = output.type.tensor_type.shape.dim
+        sizes = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+        if (
+            len(y) != n
+            or (rank and y.ndim != rank)
+            or any(s is not None and s != got for s, got in zip(sizes[1:], y.shape[1:]))
+        ):
+            shown = tuple(["N"] + ["?" if s is None else s for s in sizes[1:]]) if rank else ()
             raise OnnxInputError(
-                f"y: expected {n} rows shaped like output {output.name!r} (rank {rank}), "
+                f"y: expected {n} rows shaped like output {output.name!r} {shown}, "
                 f"got shape {y.shape}"
             )
         y = np.ascontiguousarray(y)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import onnx
 
 from .. import _ort
-from .._ort_errors import plain
+from .._ort_errors import load_error
 from .._runtime import _needs_basic_level
-from ..exceptions import OnnxModelError
 
 #: onnxruntime's optimisers that write ``com.microsoft.FusedMatMul`` (Transpose +
 #: MatMul, Mul + MatMul), which has no float64 kernel before onnxruntime 1.30.
@@ -17,7 +16,7 @@ _FUSED_MATMUL = ["MatmulTransposeFusion", "MatMulScaleFusion"]
 def session_options():
     """Quiet sessions whose idle threads do not spin (the machine may be shared)."""
     so = _ort.runtime().SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # failures are raised in plain words, not logged
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return so
 
@@ -39,4 +38,4 @@ def training_session(model: onnx.ModelProto, options, what: str, reverse: bool =
             disabled_optimizers=disabled,
         )
     except Exception as exc:
-        raise OnnxModelError(f"onnxruntime cannot load {what}: {plain(exc)}") from exc
+        raise load_error(exc, model, what) from exc

@@ -36,6 +36,7 @@ topological order; the tests check values and addresses.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -44,7 +45,8 @@ from onnx import TensorProto, helper
 
 from .._onnx_utils import make_model
 from .._ort import capi, runtime
-from ..exceptions import OnnxInputError, OnnxTypeError, OrtBridgeError
+from .._ort_errors import translate
+from ..exceptions import OnnxInputError, OnnxTypeError
 
 _ELEM = {torch.float32: TensorProto.FLOAT, torch.float64: TensorProto.DOUBLE}
 _NP_DTYPE = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
@@ -227,7 +229,7 @@ class _Update:
         try:
             self.session._sess.run_with_iobinding(self.binding, self.run_options)
         except Exception as exc:  # onnxruntime raises its own RuntimeError types
-            raise OrtBridgeError(f"onnxruntime failed to run the SGD update graph: {exc}") from exc
+            raise translate(exc, "run the SGD update graph") from exc
 
 
 class _Plan(NamedTuple):
@@ -278,7 +280,6 @@ class _FusedSGD(torch.optim.Optimizer):
     def _make_plan(self, key, flags):
         sets, set_index, entries, layout_params = [], {}, [], []
         for gi, group in enumerate(self.param_groups):
-            self._check_group(group, gi)
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -331,6 +332,10 @@ class _FusedSGD(torch.optim.Optimizer):
     def _step(self):
         """One update of every parameter that has a gradient (no closure, no hooks)."""
         groups = self.param_groups
+        # As torch reads them at step(): a value changed since the plan was made
+        # (a scheduler, param_groups edited by hand) is checked before use.
+        for gi, group in enumerate(groups):
+            self._check_group(group, gi)
         flags = tuple([self._flags(group) for group in groups])
         with_grad = [id(p) for group in groups for p in group["params"] if p.grad is not None]
         if not with_grad:
@@ -345,8 +350,9 @@ class _FusedSGD(torch.optim.Optimizer):
         velocity_key = self._velocity_key
         touched = []
         for i, p, gi, pi, pstate in plan.entries:
-            # Bound by address: rebind when a tensor's memory or size changed.
-            key = (p.data_ptr(), p.numel())
+            # Bound by address and layout: rebind when a tensor's memory, size or
+            # strides changed (a view of the same memory reads differently).
+            key = _layout(p)
             if bound_w.get(i) != key:
                 if not p.is_contiguous():
                     raise OnnxInputError(
@@ -356,7 +362,7 @@ class _FusedSGD(torch.optim.Optimizer):
                 update.bind(f"w{i}", p, f"w{i}_new")
                 bound_w[i] = key
             grad = p.grad
-            key = (grad.data_ptr(), grad.numel())
+            key = _layout(grad)
             if bound_g.get(i) != key:
                 bound = self._check_grad(grad, gi, pi)
                 update.bind(f"g{i}", bound)
@@ -367,11 +373,11 @@ class _FusedSGD(torch.optim.Optimizer):
             touched.append(p)
             if pstate is not None:
                 velocity = pstate.get(velocity_key)
-                key = None if velocity is None else (velocity.data_ptr(), velocity.numel())
+                key = None if velocity is None else _layout(velocity)
                 if key is None or bound_v.get(i) != key:
                     velocity = self._new_velocity(p, gi, pi)
                     update.bind(f"v{i}", velocity, f"v{i}_new")
-                    bound_v[i] = (velocity.data_ptr(), velocity.numel())
+                    bound_v[i] = _layout(velocity)
                 touched.append(velocity)
         update.run()
         # onnxruntime wrote into the tensors' memory behind autograd's back.
@@ -460,6 +466,7 @@ class OrtSGD(_FusedSGD):
             momentum=group["momentum"],
             weight_decay=group["weight_decay"],
             nesterov=group["nesterov"],
+            where=f"param_groups[{gi}]: ",
         )
         # A state dict of torch.optim.SGD may carry options OrtSGD lacks.
         if group.get("dampening", 0) or group.get("maximize", False):
@@ -526,7 +533,12 @@ class SklearnSGD(_FusedSGD):
         self.__dict__.setdefault("grad_scale", 1.0)
 
     def _check_group(self, group, gi):
-        _check_hyper(lr=group["lr"], momentum=group["momentum"], alpha=group["alpha"])
+        _check_hyper(
+            lr=group["lr"],
+            momentum=group["momentum"],
+            alpha=group["alpha"],
+            where=f"param_groups[{gi}]: ",
+        )
         if not 0 <= group["l1_ratio"] <= 1:
             raise OnnxInputError(f"l1_ratio must be in [0, 1], got {group['l1_ratio']}")
 
@@ -555,9 +567,14 @@ class SklearnSGD(_FusedSGD):
         super()._step()
 
 
-def _check_hyper(*, nesterov=False, **values):
+def _layout(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.numel(), t.stride()
+
+
+def _check_hyper(*, nesterov=False, where="", **values):
     for name, value in values.items():
-        if not (isinstance(value, (int, float, np.floating, np.integer)) and value >= 0):
-            raise OnnxInputError(f"{name} must be a number >= 0, got {value!r}")
+        number = isinstance(value, (int, float, np.floating, np.integer))
+        if not (number and math.isfinite(value) and value >= 0):
+            raise OnnxInputError(f"{where}{name} must be a finite number >= 0, got {value!r}")
     if nesterov and values["momentum"] <= 0:
         raise OnnxInputError(f"nesterov=True needs momentum > 0, got momentum={values['momentum']}")

@@ -23,6 +23,7 @@ import onnx
 
 from .. import _ort
 from .._onnx_utils import np_dtype
+from .._ort_errors import plain
 from .._ort_limits import fit_to_runtime
 from ..exceptions import OnnxModelError
 from ..losses import add_loss_output
@@ -285,7 +286,7 @@ class PingPongRunner:
         except Exception as exc:
             raise OnnxModelError(
                 f"onnxruntime failed to run a training step on a batch of shapes "
-                f"{[a.shape for a in arrays]}: {exc}"
+                f"{[a.shape for a in arrays]}: {plain(exc)}"
             ) from exc
         self.current = 1 - self.current
         return float(bound.loss.numpy())

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
+import numpy as np
 from onnx import helper
 
 from .. import _onnx_utils
@@ -74,9 +76,39 @@ def optimizer_options(optimizer: str, options: dict | None) -> dict:
             f"expected some of {sorted(merged)}"
         )
     merged.update(options or {})
+    # torch.optim refuses each of these in its constructor.
+    for name in ("eps", "weight_decay", "momentum"):
+        if name in merged and not _non_negative(merged[name]):
+            raise OnnxInputError(
+                f"optimizer_params: {name} must be a finite number >= 0, got {merged[name]!r}"
+            )
+    if "betas" in merged:
+        betas = merged["betas"]
+        if not (
+            isinstance(betas, (tuple, list))
+            and len(betas) == 2
+            and all(_non_negative(b) and b < 1 for b in betas)
+        ):
+            raise OnnxInputError(
+                f"optimizer_params: betas must be two numbers in [0, 1), got {betas!r}"
+            )
     if optimizer == "sgd" and merged["nesterov"] and merged["momentum"] <= 0:
         raise OnnxInputError("optimizer_params: nesterov=True needs a momentum > 0")
     return merged
+
+
+def check_learning_rate(value) -> float:
+    """``value`` as a float, refused unless finite and >= 0 (as torch.optim does)."""
+    if not _non_negative(value):
+        raise OnnxInputError(f"learning_rate must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _non_negative(value) -> bool:
+    number = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(
+        value, bool
+    )
+    return number and math.isfinite(value) and value >= 0
 
 
 def append_update(graph, weights: dict, dtype, optimizer: str, options: dict) -> list[StateSlot]:
