@@ -37,6 +37,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ._graph import _all_names, load_model
+from ._loss_nodes import elementwise_loss
 from ._onnx_utils import FLOAT_TYPES, np_dtype
 from ._ort_limits import fit_to_runtime
 from .exceptions import OnnxInputError, OnnxModelError
@@ -186,36 +187,11 @@ def add_loss_output(
         nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
         return out
 
-    # Elementwise loss.
-    pred, label = prediction.name, label_name
-    if loss == "log_loss":
-        # log(1 + exp(p)) - y p written as p (1/2 - y) + |p|/2 + log(1 + exp(-|p|)):
-        # stable for large |p| and its gradient sigmoid(p) - y is right at p == 0,
-        # where relu's and abs' subgradients alone would give -y.
-        half = const("half", 0.5)
-        absolute = node("Abs", [pred], "abs")
-        exp = node("Exp", [node("Neg", [absolute], "neg")], "exp")
-        soft = node("Log", [node("Add", [const("one", 1.0), exp], "one_plus_exp")], "log")
-        linear = node("Mul", [pred, node("Sub", [half, label], "half_minus_y")], "linear")
-        half_abs = node("Mul", [absolute, half], "half_abs")
-        elementwise = node("Add", [node("Add", [linear, half_abs], "sum"), soft], "elementwise")
-    else:
-        residual = node("Sub", [pred, label], "residual")
-        square = node("Mul", [residual, residual], "square")
-        absolute = node("Abs", [residual], "abs")
-        if loss == "squared_error":
-            elementwise = square
-        elif loss == "absolute_error":
-            elementwise = absolute
-        else:
-            elementwise = node(
-                "Add",
-                [
-                    node("Mul", [absolute, const("l1_weight", l1_weight)], "l1_part"),
-                    node("Mul", [square, const("l2_weight", l2_weight)], "l2_part"),
-                ],
-                "elementwise",
-            )
+    # Elementwise loss (torch's: squares not halved).
+    pred = prediction.name
+    elementwise = elementwise_loss(
+        loss, pred, label_name, node, const, halved=False, l1_weight=l1_weight, l2_weight=l2_weight
+    )
     # Per-row loss of shape (N,), then the batch mean.
     rank = len(shape)
     if rank == 0:

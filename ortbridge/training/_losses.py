@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .._loss_nodes import elementwise_loss
 from .._onnx_utils import FLOAT_TYPES, make_model, np_dtype
 from ..exceptions import OnnxInputError, OnnxModelError
 
@@ -257,67 +258,27 @@ def penalised_initializers(model: onnx.ModelProto) -> set[str]:
 def _loss_nodes(loss, pred, target, weight, output, dtype, prefix, l1_weight, l2_weight):
     """Nodes computing ``output = sum(weight * loss(pred, target))``.
 
-    ``pred``, ``target`` are (n, k) and ``weight`` is (n, 1). Only operators
-    onnxruntime 1.19.2 can differentiate are used (it has no gradient for
-    ``Softplus``).
+    ``pred``, ``target`` are (n, k) and ``weight`` is (n, 1); the elementwise
+    loss is :func:`ortbridge._loss_nodes.elementwise_loss`'s, squares halved.
     """
-
-    def name(suffix):
-        return f"{prefix}{suffix}"
-
     nodes = []
 
-    def const(suffix, value):
+    def node(op, inputs, base, **attrs):
+        nodes.append(helper.make_node(op, inputs, [f"{prefix}{base}"], **attrs))
+        return f"{prefix}{base}"
+
+    def const(base, value):
         # A Constant node, not an initializer: OnnxModule would train a float
         # initializer.
-        tensor = numpy_helper.from_array(np.array(value, dtype=dtype), name(suffix))
-        return helper.make_node("Constant", [], [name(suffix)], value=tensor)
+        tensor = numpy_helper.from_array(np.array(value, dtype=dtype), f"{prefix}{base}")
+        nodes.append(helper.make_node("Constant", [], [tensor.name], value=tensor))
+        return tensor.name
 
-    if loss == "log_loss":
-        # softplus(p) - y p = (1/2 - y) p + |p| / 2 + log(1 + exp(-|p|)): every
-        # operator has a gradient, and the derivative at p = 0 is exactly 1/2
-        # (the gradient of Abs at 0 is 0), which relu(p) + ... would not give.
-        nodes += [
-            const("half", 0.5),
-            const("one", 1.0),
-            helper.make_node("Sub", [name("half"), target], [name("half_y")]),
-            helper.make_node("Mul", [name("half_y"), pred], [name("lin")]),
-            helper.make_node("Abs", [pred], [name("abs")]),
-            helper.make_node("Mul", [name("abs"), name("half")], [name("half_abs")]),
-            helper.make_node("Neg", [name("abs")], [name("neg_abs")]),
-            helper.make_node("Exp", [name("neg_abs")], [name("exp")]),
-            helper.make_node("Add", [name("exp"), name("one")], [name("one_exp")]),
-            helper.make_node("Log", [name("one_exp")], [name("log")]),
-            helper.make_node("Add", [name("lin"), name("half_abs")], [name("sum1")]),
-            helper.make_node("Add", [name("sum1"), name("log")], [name("rows")]),
-        ]
-    else:
-        nodes.append(helper.make_node("Sub", [pred, target], [name("resid")]))
-        terms = []
-        if loss in ("squared_error", "elastic"):
-            coef = 0.5 if loss == "squared_error" else 0.5 * l2_weight
-            nodes += [
-                const("l2", coef),
-                helper.make_node("Mul", [name("resid"), name("resid")], [name("sq")]),
-                helper.make_node("Mul", [name("sq"), name("l2")], [name("l2_rows")]),
-            ]
-            terms.append(name("l2_rows"))
-        if loss in ("absolute_error", "elastic"):
-            nodes.append(helper.make_node("Abs", [name("resid")], [name("abs")]))
-            if loss == "elastic":
-                nodes.append(const("l1", l1_weight))
-                nodes.append(helper.make_node("Mul", [name("abs"), name("l1")], [name("l1_rows")]))
-                terms.append(name("l1_rows"))
-            else:
-                terms.append(name("abs"))
-        if len(terms) == 2:
-            nodes.append(helper.make_node("Add", terms, [name("rows")]))
-        else:
-            nodes.append(helper.make_node("Identity", terms, [name("rows")]))
-    nodes += [
-        helper.make_node("Mul", [name("rows"), weight], [name("weighted")]),
-        helper.make_node("ReduceSum", [name("weighted")], [output], keepdims=0),
-    ]
+    rows = elementwise_loss(
+        loss, pred, target, node, const, halved=True, l1_weight=l1_weight, l2_weight=l2_weight
+    )
+    weighted = node("Mul", [rows, weight], "weighted")
+    nodes.append(helper.make_node("ReduceSum", [weighted], [output], keepdims=0))
     return nodes
 
 
