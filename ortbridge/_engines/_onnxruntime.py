@@ -473,6 +473,10 @@ def _bake(model: onnx.ModelProto, values: dict) -> None:
 
 
 def _load(model, part, device, session_options, providers):
+    # onnx-ad leaves its nodes unnamed: named, a failure can say which one.
+    for node in model.graph.node:
+        if not node.name and node.output:
+            node.name = f"{node.op_type}_{node.output[0]}"
     try:
         return _session(model, device, session_options, providers)
     except OnnxModelError as exc:
