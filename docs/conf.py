@@ -8,6 +8,7 @@ Build from the repository root (the gallery's examples run during the build)::
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import ortbridge
@@ -39,6 +40,13 @@ html_title = f"ortbridge {release}"
 # autodoc directives of api.rst, not by numpydoc's autosummary tables.
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
+# Names the signatures spell as written: numpy's array-like (not its expanded
+# Union), and names imported for type checkers only.
+autodoc_type_aliases = {
+    "ArrayLike": "numpy.typing.ArrayLike",
+    "OnnxModule": "ortbridge.OnnxModule",
+    "onnxruntime.SessionOptions": "onnxruntime.SessionOptions",
+}
 autodoc_default_options = {"exclude-members": "__init__"}
 numpydoc_show_class_members = False
 numpydoc_show_inherited_class_members = False
@@ -70,3 +78,17 @@ sphinx_gallery_conf = {
     "image_scrapers": ("matplotlib",),
     "matplotlib_animations": False,
 }
+
+
+def _alias_names(app, what, name, obj, options, signature, return_annotation):
+    """Sphinx 9 writes an alias inside a union (``ArrayLike | None``) as
+    ``TypeAliasForwardRef('numpy.typing.ArrayLike')``: keep the name alone."""
+
+    def plain(text):
+        return text and re.sub(r"TypeAliasForwardRef\('([^']*)'\)", r"\1", text)
+
+    return plain(signature), plain(return_annotation)
+
+
+def setup(app):
+    app.connect("autodoc-process-signature", _alias_names)

@@ -67,7 +67,7 @@ def run_demo(
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     loss_fn = nn.CrossEntropyLoss()
     print(f"digits: {len(X_train)} training and {len(X_test)} test images, 10 classes", file=out)
-    print(f"model: torch Linear(64, 32) + ReLU -> {head.extra_repr()}", file=out)
+    print(f"model: {model}", file=out)
     start = time.perf_counter()
     for epoch in range(1, epochs + 1):
         model.train()

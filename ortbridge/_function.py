@@ -13,24 +13,63 @@ backward is the reverse of the reverse model.
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import re
 
+import onnx
 import torch
 
 from .exceptions import OrtBridgeError
 
+#: Graph names exporters give every model (torch's dynamo and TorchScript
+#: exporters): naming a Function after them tells models apart no better.
+GENERIC_GRAPH_NAMES = frozenset({"", "main_graph", "torch_jit", "torch-jit-export", "onnx_graph"})
 
-def make_function(graph_name: str) -> type[torch.autograd.Function]:
-    """A new autograd Function class named after ``graph_name``."""
-    ident = re.sub(r"\W", "_", graph_name).strip("_") or "onnx_graph"
-    name = f"{ident[0].upper()}{ident[1:]}Function"
+
+def function_name(model: onnx.ModelProto) -> str:
+    """What a model's Function is named after: its graph, else the model it came from.
+
+    The graph's name, unless an exporter gives it to every model; then the
+    torch class the dynamo exporter recorded in the nodes' metadata
+    (``MyNet``); else ``OnnxModule_`` and a hash of the graph's structure,
+    the same from run to run.
+    """
+    name = model.graph.name
+    if name not in GENERIC_GRAPH_NAMES:
+        return name
+    for node in model.graph.node:
+        for prop in node.metadata_props:
+            if prop.key == "pkg.torch.onnx.class_hierarchy":
+                try:
+                    root = str(ast.literal_eval(prop.value)[0])
+                except (ValueError, SyntaxError, IndexError, TypeError):
+                    continue
+                if not root.startswith("aten."):  # an operator, not the exported module
+                    return root.rsplit(".", 1)[-1]
+    digest = hashlib.sha1()
+    for node in model.graph.node:
+        digest.update(f"{node.op_type}({','.join(node.input)})->{','.join(node.output)};".encode())
+    return f"OnnxModule_{digest.hexdigest()[:8]}"
+
+
+def make_function(name: str, graph_name: str | None = None) -> type[torch.autograd.Function]:
+    """A new autograd Function class named ``<Name>Function`` after ``name``.
+
+    ``graph_name``: the graph the docstring names, when it is not ``name``.
+    """
+    ident = re.sub(r"\W", "_", name, flags=re.ASCII).strip("_") or "onnx_graph"
+    if ident[0].isdigit():
+        ident = f"Onnx_{ident}"
+    class_name = f"{ident[0].upper()}{ident[1:]}Function"
+    graph_name = name if graph_name is None else graph_name
     return type(
-        name,
+        class_name,
         (torch.autograd.Function,),
         {
             "__doc__": f"Forward and backward of ONNX graph {graph_name!r} in onnxruntime.",
             "__module__": __name__,
-            "__qualname__": name,
+            "__qualname__": class_name,
             "forward": staticmethod(_forward),
             "backward": staticmethod(_backward),
         },

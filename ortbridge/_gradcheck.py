@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from . import _graph
 from .exceptions import OnnxInputError, OnnxTypeError
+
+if TYPE_CHECKING:
+    from .module import OnnxModule
 
 
 @dataclasses.dataclass
@@ -77,7 +81,7 @@ class GradcheckReport:
 
 
 def gradcheck(
-    module,
+    module: OnnxModule,
     *inputs: torch.Tensor,
     eps: float | None = None,
     atol: float | None = None,

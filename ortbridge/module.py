@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -12,11 +14,18 @@ from torch import nn
 
 from . import _engines, _graph
 from ._bridge import Bridge
-from ._function import make_function
+from ._function import function_name, make_function
 from .exceptions import NotDifferentiableError, OnnxInputError, OnnxTypeError, OrtBridgeError
 
+if TYPE_CHECKING:  # onnxruntime is imported when a session is made, not before
+    import onnxruntime
+
 _BATCH_NORM_MODES = ("track", "frozen")
+#: Op types ``print(module)`` lists, the most frequent first.
+_SHOWN_OP_TYPES = 10
 _CPU = torch.device("cpu")
+# torch >= 2.3; before it, torch.compile traces the layer (and warns).
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 class OnnxModule(nn.Module):
@@ -72,14 +81,14 @@ class OnnxModule(nn.Module):
 
     def __init__(
         self,
-        model,
+        model: str | os.PathLike | bytes | onnx.ModelProto,
         trainable: None | Iterable[str] | Callable[[str, np.ndarray], bool] = None,
         *,
-        providers=None,
-        session_options=None,
+        providers: Sequence[str | tuple[str, dict]] | None = None,
+        session_options: onnxruntime.SessionOptions | None = None,
         batch_norm: str = "track",
         backend: str = "auto",
-    ):
+    ) -> None:
         super().__init__()
         if backend not in _engines.BACKENDS:
             raise OnnxInputError(
@@ -116,7 +125,7 @@ class OnnxModule(nn.Module):
         for part in path[:-1]:
             child = owner._modules.get(part)
             if child is None:
-                child = nn.Module()
+                child = OnnxWeights()
                 owner.add_module(part, child)
             owner = child
         if trainable:
@@ -147,7 +156,7 @@ class OnnxModule(nn.Module):
             session_options=self._session_options,
             backend=self.__dict__.get("_backend", "auto"),
         )
-        self.function = make_function(self._summary.name)
+        self.function = make_function(function_name(self._original), self._summary.name)
 
     def _summary_model(self) -> onnx.ModelProto:
         return _graph.normalize(_graph.load_model(self._original))
@@ -238,11 +247,21 @@ class OnnxModule(nn.Module):
         onnx.save(self.to_onnx(), os.fspath(path))
 
     def extra_repr(self) -> str:
+        """What ``print(module)`` shows: graph, inputs, outputs, engine, nodes, weights."""
+        lines = [f"graph: {self._summary.name!r}, engine: {self._bridge.engine}"]
+        for kind, specs in (("inputs", self._summary.inputs), ("outputs", self._summary.outputs)):
+            shown = ", ".join(f"{s.name} {_spec_str(s)}" for s in specs)
+            lines.append(f"{kind}: {shown or 'none'}")
+        counts = collections.Counter(node.op_type for node in self._original.graph.node)
+        ops = [f"{op} x{n}" for op, n in counts.most_common(_SHOWN_OP_TYPES)]
+        if len(counts) > _SHOWN_OP_TYPES:
+            ops.append(f"{len(counts) - _SHOWN_OP_TYPES} more op types")
+        lines.append("nodes: " + ", ".join(ops))
         n_train = sum(1 for _ in self.named_onnx_parameters())
-        return (
-            f"graph={self._summary.name!r}, inputs={self.input_names}, "
-            f"outputs={self.output_names}, trainable={n_train}/{len(self._weight_names)}"
-        )
+        lines.append(f"trainable: {n_train} of {len(self._weight_names)} float initializers")
+        # Weights held by the module itself (names without a dot): no child shows them.
+        own = _weights_repr(self)
+        return "\n".join(lines + [own] if own else lines)
 
     # -- running -------------------------------------------------------------
 
@@ -267,7 +286,20 @@ class OnnxModule(nn.Module):
             for params, owner, attr in slots
         ]
 
-    def forward(self, *args, **kwargs):
+    def forward(
+        self, *args: torch.Tensor, **kwargs: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Run the graph on inputs in graph-input order, or as keywords named after them.
+
+        One output gives a tensor, several a tuple.
+        """
+        if _is_compiling():
+            # torch.compile cannot trace onnxruntime: the layer runs eagerly,
+            # one graph break stated to Dynamo instead of three warnings.
+            return _untraced_run()(self, args, kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args, kwargs):
         inputs = self._bind(args, kwargs)
         weights = self._weights()
         self._check_weights(weights)
@@ -404,6 +436,45 @@ class OnnxModule(nn.Module):
         self._build_bridge()
 
 
+class OnnxWeights(nn.Module):
+    """Holds the weights of initializers named like ``"fc.weight"`` (here ``fc``).
+
+    Prints them as torch's layers print their settings:
+    ``OnnxWeights(weight: (10, 5), bias: (10,))``, a frozen weight (a buffer)
+    marked ``frozen``.
+    """
+
+    def extra_repr(self) -> str:
+        return _weights_repr(self)
+
+
+def _weights_repr(module: nn.Module) -> str:
+    """The parameters and buffers ``module`` holds itself, with their shapes."""
+    shown = [f"{name}: {tuple(p.shape)}" for name, p in module._parameters.items() if p is not None]
+    shown += [
+        f"{name}: {tuple(b.shape)} frozen" for name, b in module._buffers.items() if b is not None
+    ]
+    return ", ".join(shown)
+
+
+_UNTRACED: list = []
+
+
+def _untraced_run():
+    """``OnnxModule._run`` wrapped by ``torch.compiler.disable``, made on first need.
+
+    Not a decorator: the wrapper imports ``torch._dynamo``, over a second that
+    only ``torch.compile`` needs.
+    """
+    if not _UNTRACED:
+        _UNTRACED.append(
+            torch.compiler.disable(
+                OnnxModule._run, reason="onnxruntime runs the ONNX layer outside the graph"
+            )
+        )
+    return _UNTRACED[0]
+
+
 def _options_state(options) -> tuple:
     """onnxruntime.SessionOptions cannot be pickled: keep its settable properties.
 
@@ -453,6 +524,15 @@ def _autocasting(tensor: torch.Tensor) -> bool:
 
 def _shape_str(shape) -> str:
     return "(" + ", ".join(str(d) if d is not None else "?" for d in shape) + ")"
+
+
+def _spec_str(spec) -> str:
+    try:
+        dtype = str(spec.dtype)
+    except (KeyError, TypeError, ValueError):  # not a tensor (a sequence, a map)
+        dtype = "?"
+    shape = "(unknown shape)" if spec.shape is None else _shape_str(spec.shape)
+    return f"{dtype} {shape}"
 
 
 def _attribute_path(module: nn.Module, name: str) -> tuple[str, ...]:

@@ -274,6 +274,37 @@ def test_clone_params_pickle_deepcopy(make_regressor, data, fitted_mlp):
     assert_same_weights(reg, restored)
 
 
+def test_verbose_prints_scikit_learns_line_per_epoch(make_regressor, make_classifier, data, capsys):
+    X, y = data
+    reg = make_regressor(linear_model(6, 1), max_iter=3, random_state=0, verbose=True).fit(X, y)
+    reg.partial_fit(X, y)  # one more epoch, numbered on
+    expected = [f"Iteration {i + 1}, loss = {v:.8f}" for i, v in enumerate(reg.train_losses_)]
+    assert capsys.readouterr().out.splitlines() == expected
+    assert len(expected) == reg.n_iter_ == 4
+    clf = make_classifier(linear_model(6, 1), max_iter=2, verbose=1).fit(X, y > 0)
+    assert capsys.readouterr().out.splitlines()[-1] == f"Iteration 2, loss = {clf.loss_:.8f}"
+    make_regressor(linear_model(6, 1), max_iter=2).fit(X, y)
+    assert capsys.readouterr().out == ""  # quiet by default
+
+
+def test_verbose_is_a_scikit_learn_parameter(make_regressor, data, capsys):
+    X, y = data
+    reg = make_regressor(linear_model(6, 1), max_iter=2, random_state=0)
+    assert reg.get_params()["verbose"] is False
+    assert clone(reg.set_params(verbose=True)).get_params()["verbose"] is True
+    reg.fit(X, y)
+    assert capsys.readouterr().out.count("Iteration") == 2
+    # An estimator pickled before the parameter existed loads quiet, and fits on.
+    state = reg.__getstate__()
+    del state["verbose"]
+    old = OnnxSGDRegressor.__new__(OnnxSGDRegressor)
+    old.__setstate__(state)
+    assert old.get_params()["verbose"] is False
+    np.testing.assert_array_equal(old.predict(X), reg.predict(X))
+    old.partial_fit(X, y)
+    assert capsys.readouterr().out == ""
+
+
 def test_grid_search(backend, data):
     X, y = data
     search = GridSearchCV(

@@ -23,10 +23,13 @@ coefficients (the weights of MatMul/Gemm/Conv nodes) divided by the batch.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import onnx
 import torch
+from numpy.typing import ArrayLike
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.exceptions import NotFittedError as SklearnNotFittedError
 from sklearn.utils import check_array, check_random_state
@@ -41,6 +44,11 @@ from ._epoch_graph import Hyper as _Hyper
 from ._epoch_graph import Rule as _Rule
 from ._sessions import session_options, training_session
 from ._sgd import SklearnSGD
+
+try:
+    from typing import Self
+except ImportError:  # Python 3.10: torch depends on typing_extensions
+    from typing_extensions import Self
 
 __all__ = ["NotFittedError", "OnnxSGDClassifier", "OnnxSGDRegressor"]
 
@@ -60,24 +68,25 @@ class _BaseOnnxSGD(BaseEstimator):
 
     def __init__(
         self,
-        model,
+        model: str | os.PathLike | bytes | onnx.ModelProto,
         *,
-        loss,
-        learning_rate="constant",
-        learning_rate_init=0.001,
-        power_t=0.5,
-        momentum=0.9,
-        nesterovs_momentum=True,
-        alpha=0.0,
-        l1_ratio=0.0,
-        batch_size=32,
-        max_iter=200,
-        shuffle=True,
-        random_state=None,
-        warm_start=False,
-        trainable=None,
-        backend="auto",
-    ):
+        loss: str,
+        learning_rate: str = "constant",
+        learning_rate_init: float = 0.001,
+        power_t: float = 0.5,
+        momentum: float = 0.9,
+        nesterovs_momentum: bool = True,
+        alpha: float = 0.0,
+        l1_ratio: float = 0.0,
+        batch_size: int | str = 32,
+        max_iter: int = 200,
+        shuffle: bool = True,
+        random_state: int | np.random.RandomState | None = None,
+        warm_start: bool = False,
+        trainable: None | Iterable[str] | Callable[[str, np.ndarray], bool] = None,
+        backend: str = "auto",
+        verbose: bool | int = False,
+    ) -> None:
         self.model = model
         self.loss = loss
         self.learning_rate = learning_rate
@@ -94,6 +103,7 @@ class _BaseOnnxSGD(BaseEstimator):
         self.warm_start = warm_start
         self.trainable = trainable
         self.backend = backend
+        self.verbose = verbose
 
     # -- what subclasses define ---------------------------------------------
 
@@ -270,6 +280,8 @@ class _BaseOnnxSGD(BaseEstimator):
         w = np.ones((X.shape[0], 1), self._dtype_) if weight is None else weight.reshape(-1, 1)
         for _ in range(epochs):
             self._epoch(X, y, w, weight)
+            if self.verbose:  # scikit-learn's MLP line, to stdout as it prints it
+                print(f"Iteration {self.n_iter_}, loss = {self.loss_:.8f}", flush=True)
         return self
 
     def _sync_hyperparameters(self):
@@ -482,7 +494,7 @@ class _BaseOnnxSGD(BaseEstimator):
                     value += 0.5 * (1 - l1_ratio) * (p * p).sum().item()
         return alpha * value
 
-    def fit(self, X, y, sample_weight=None):
+    def fit(self, X: ArrayLike, y: ArrayLike, sample_weight: ArrayLike | None = None) -> Self:
         """Train for ``max_iter`` epochs (resuming the previous fit when ``warm_start``).
 
         Parameters
@@ -499,7 +511,9 @@ class _BaseOnnxSGD(BaseEstimator):
         """
         return self._fit(X, y, sample_weight, int(self.max_iter), incremental=False)
 
-    def partial_fit(self, X, y, sample_weight=None):
+    def partial_fit(
+        self, X: ArrayLike, y: ArrayLike, sample_weight: ArrayLike | None = None
+    ) -> Self:
         """One epoch on ``(X, y)``, resuming the previous state if there is one."""
         return self._fit(X, y, sample_weight, 1, incremental=True)
 
@@ -552,7 +566,9 @@ class _BaseOnnxSGD(BaseEstimator):
     def __setstate__(self, state):
         weights = state.pop("_saved_weights", None)
         velocities = state.pop("_saved_velocities", {})
-        state.setdefault("backend", "auto")  # pickled before the parameter existed
+        # Pickled before these parameters existed.
+        state.setdefault("backend", "auto")
+        state.setdefault("verbose", False)
         super().__setstate__(state)
         self._predictor = None
         if weights is None:
@@ -616,6 +632,9 @@ class OnnxSGDRegressor(RegressorMixin, _BaseOnnxSGD):
         ``"auto"``: the builder where the training build is installed and
         differentiates the model correctly (measured the faster here:
         ``benchmarks/README.rst``), onnx-ad's graph otherwise.
+    verbose : bool or int
+        Print one line per epoch to stdout, as ``MLPRegressor`` does:
+        ``Iteration 3, loss = 0.01234567``.
 
     Attributes
     ----------
@@ -647,24 +666,25 @@ class OnnxSGDRegressor(RegressorMixin, _BaseOnnxSGD):
 
     def __init__(
         self,
-        model,
+        model: str | os.PathLike | bytes | onnx.ModelProto,
         *,
-        loss="squared_error",
-        learning_rate="constant",
-        learning_rate_init=0.001,
-        power_t=0.5,
-        momentum=0.9,
-        nesterovs_momentum=True,
-        alpha=0.0,
-        l1_ratio=0.0,
-        batch_size=32,
-        max_iter=200,
-        shuffle=True,
-        random_state=None,
-        warm_start=False,
-        trainable=None,
-        backend="auto",
-    ):
+        loss: str = "squared_error",
+        learning_rate: str = "constant",
+        learning_rate_init: float = 0.001,
+        power_t: float = 0.5,
+        momentum: float = 0.9,
+        nesterovs_momentum: bool = True,
+        alpha: float = 0.0,
+        l1_ratio: float = 0.0,
+        batch_size: int | str = 32,
+        max_iter: int = 200,
+        shuffle: bool = True,
+        random_state: int | np.random.RandomState | None = None,
+        warm_start: bool = False,
+        trainable: None | Iterable[str] | Callable[[str, np.ndarray], bool] = None,
+        backend: str = "auto",
+        verbose: bool | int = False,
+    ) -> None:
         super().__init__(
             model,
             loss=loss,
@@ -682,6 +702,7 @@ class OnnxSGDRegressor(RegressorMixin, _BaseOnnxSGD):
             warm_start=warm_start,
             trainable=trainable,
             backend=backend,
+            verbose=verbose,
         )
 
     def _target(self, y, dtype, first_call):
@@ -689,7 +710,7 @@ class OnnxSGDRegressor(RegressorMixin, _BaseOnnxSGD):
         self._y_1d = y.ndim == 1 if first_call else self._y_1d
         return y.reshape(y.shape[0], -1)
 
-    def predict(self, X):
+    def predict(self, X: ArrayLike) -> np.ndarray:
         """Predictions of the trained model, shape (n,) for one output."""
         out = self._raw_predict(X)
         return out.ravel() if out.shape[1] == 1 and self._y_1d else out
@@ -719,24 +740,25 @@ class OnnxSGDClassifier(ClassifierMixin, _BaseOnnxSGD):
 
     def __init__(
         self,
-        model,
+        model: str | os.PathLike | bytes | onnx.ModelProto,
         *,
-        loss="log_loss",
-        learning_rate="constant",
-        learning_rate_init=0.001,
-        power_t=0.5,
-        momentum=0.9,
-        nesterovs_momentum=True,
-        alpha=0.0,
-        l1_ratio=0.0,
-        batch_size=32,
-        max_iter=200,
-        shuffle=True,
-        random_state=None,
-        warm_start=False,
-        trainable=None,
-        backend="auto",
-    ):
+        loss: str = "log_loss",
+        learning_rate: str = "constant",
+        learning_rate_init: float = 0.001,
+        power_t: float = 0.5,
+        momentum: float = 0.9,
+        nesterovs_momentum: bool = True,
+        alpha: float = 0.0,
+        l1_ratio: float = 0.0,
+        batch_size: int | str = 32,
+        max_iter: int = 200,
+        shuffle: bool = True,
+        random_state: int | np.random.RandomState | None = None,
+        warm_start: bool = False,
+        trainable: None | Iterable[str] | Callable[[str, np.ndarray], bool] = None,
+        backend: str = "auto",
+        verbose: bool | int = False,
+    ) -> None:
         super().__init__(
             model,
             loss=loss,
@@ -754,9 +776,16 @@ class OnnxSGDClassifier(ClassifierMixin, _BaseOnnxSGD):
             warm_start=warm_start,
             trainable=trainable,
             backend=backend,
+            verbose=verbose,
         )
 
-    def partial_fit(self, X, y, sample_weight=None, classes=None):
+    def partial_fit(
+        self,
+        X: ArrayLike,
+        y: ArrayLike,
+        sample_weight: ArrayLike | None = None,
+        classes: ArrayLike | None = None,
+    ) -> Self:
         """One epoch on ``(X, y)``; ``classes`` (both labels) is needed on the first call
         when ``y`` may not hold both."""
         if classes is not None and not hasattr(self, "classes_"):
@@ -788,17 +817,17 @@ class OnnxSGDClassifier(ClassifierMixin, _BaseOnnxSGD):
             )
         return (y == self.classes_[1]).astype(dtype).reshape(-1, 1)
 
-    def decision_function(self, X):
+    def decision_function(self, X: ArrayLike) -> np.ndarray:
         """Raw scores, shape (n,); positive means ``classes_[1]``."""
         return self._raw_predict(X)[:, 0]
 
-    def predict_proba(self, X):
+    def predict_proba(self, X: ArrayLike) -> np.ndarray:
         """Probabilities of ``classes_``, shape (n, 2)."""
         score = self.decision_function(X).astype(np.float64)
         positive = 1.0 / (1.0 + np.exp(-score))
         return np.column_stack([1.0 - positive, positive])
 
-    def predict(self, X):
+    def predict(self, X: ArrayLike) -> np.ndarray:
         """Labels from ``classes_``."""
         return self.classes_[(self.decision_function(X) > 0).astype(int)]
 

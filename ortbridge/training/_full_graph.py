@@ -20,9 +20,11 @@ import json
 import math
 import os
 import zipfile
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
+from numpy.typing import ArrayLike
 
 from .. import _ort
 from .._graph import load_model, normalize, predicting_model, weights_as_inputs, with_weights
@@ -45,6 +47,9 @@ from ._training_graph import (
     state_slots,
 )
 from ._update_graph import check_learning_rate, optimizer_options
+
+if TYPE_CHECKING:  # onnxruntime is imported when a session is made, not before
+    import onnxruntime
 
 _CHECKPOINT_FORMAT = "ortbridge.OrtFullGraphTrainer checkpoint"
 
@@ -104,6 +109,9 @@ class OrtFullGraphTrainer:
         batch of an epoch gets its own). ``"auto"``: onnx-ad's graph, measured
         the faster of the two here; the builder where onnx-ad refuses the model
         and the training build is installed.
+    verbose : bool or int
+        Print one line per epoch to stdout, as scikit-learn's ``MLPRegressor``
+        does: ``Iteration 3, loss = 0.01234567`` (the epoch's mean loss).
 
     Attributes
     ----------
@@ -133,7 +141,7 @@ class OrtFullGraphTrainer:
 
     def __init__(
         self,
-        model,
+        model: str | os.PathLike | bytes | onnx.ModelProto,
         *,
         loss: str = "squared_error",
         optimizer: str = "adamw",
@@ -146,9 +154,10 @@ class OrtFullGraphTrainer:
         optimizer_params: dict | None = None,
         penalty: dict | None = None,
         output_index: int = 0,
-        session_options=None,
+        session_options: onnxruntime.SessionOptions | None = None,
         backend: str = "auto",
-    ):
+        verbose: bool | int = False,
+    ) -> None:
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
@@ -163,6 +172,7 @@ class OrtFullGraphTrainer:
         self.output_index = output_index
         self.session_options = session_options
         self.backend = backend
+        self.verbose = verbose
         self._onnx = None
         self._runners: dict[bool, PingPongRunner] = {}
         self._active: PingPongRunner | None = None
@@ -170,7 +180,9 @@ class OrtFullGraphTrainer:
 
     # -- public API ---------------------------------------------------------
 
-    def fit(self, X, y, sample_weight=None) -> OrtFullGraphTrainer:
+    def fit(
+        self, X: ArrayLike, y: ArrayLike, sample_weight: ArrayLike | None = None
+    ) -> OrtFullGraphTrainer:
         """Train ``max_iter`` epochs on ``X``, ``y``, continuing from the current state.
 
         Parameters
@@ -224,9 +236,11 @@ class OrtFullGraphTrainer:
                 total += value * min(batch, n - start)
             self.train_losses_.append(total / n)
             self.n_iter_ += 1
+            if self.verbose:  # scikit-learn's MLP line, to stdout as it prints it
+                print(f"Iteration {self.n_iter_}, loss = {total / n:.8f}", flush=True)
         return self
 
-    def predict(self, X) -> np.ndarray:
+    def predict(self, X: ArrayLike) -> np.ndarray:
         """The model's prediction on ``X`` with the trained weights.
 
         Parameters
@@ -281,7 +295,7 @@ class OrtFullGraphTrainer:
         state = runner.read_state()
         return {name: state[name] for name in self._trainable}
 
-    def save_checkpoint(self, path) -> None:
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Write the weights, optimizer state, step count and shuffling state to ``path``.
 
         The file is a numpy ``.npz`` archive (no pickle); :meth:`load_checkpoint`
@@ -297,7 +311,7 @@ class OrtFullGraphTrainer:
         with open(os.fspath(path), "wb") as f:
             np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
 
-    def load_checkpoint(self, path) -> OrtFullGraphTrainer:
+    def load_checkpoint(self, path: str | os.PathLike) -> OrtFullGraphTrainer:
         """Restore what :meth:`save_checkpoint` wrote; the next ``fit`` continues from it.
 
         Parameters

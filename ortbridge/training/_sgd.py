@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -441,12 +442,12 @@ class OrtSGD(_FusedSGD):
 
     def __init__(
         self,
-        params,
+        params: Iterable[torch.Tensor] | Iterable[dict],
         lr: float,
         momentum: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
-    ):
+    ) -> None:
         _check_hyper(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         # dampening=0 and maximize=False: torch.optim.SGD reads them from a
         # state dict saved by OrtSGD.
