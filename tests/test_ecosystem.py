@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import export
+from conftest import compare_with_torch, export
 from onnx import numpy_helper
 from torch import nn
 
@@ -337,10 +337,13 @@ def test_autocast_bf16_input_is_cast_to_float32(mlp_proto):
     for name, p in ref[1].named_parameters():
         q = dict(ours[1].named_parameters())[name]
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
+    # The bfloat16 layer's backward is the same computation on both sides: the
+    # float32 gradients entering it agree far below bfloat16's resolution, so its
+    # gradients agree exactly (measured on 30 seeds, both engines).
     for name in ("weight", "bias"):
         got, want = getattr(ours[0], name).grad, getattr(ref[0], name).grad
         assert got.dtype == torch.float32
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # -- 8. torch.compile ---------------------------------------------------------
@@ -374,14 +377,21 @@ def test_torch_compile_matches_eager(mlp_proto):
 # -- 9. devices and dtypes ----------------------------------------------------
 
 
-def test_to_cpu_moves_and_keeps_working(mlp_proto):
+def test_move_from_meta_to_cpu_runs_on_the_moved_weights(mlp_proto):
+    """A real device move on a machine without a GPU: meta -> cpu. The graph then
+    computes with the moved weights (loaded after the move), gradients included."""
     layer = OnnxModule(mlp_proto)
     x = torch.randn(3, 6)
-    want = layer(x)
-    assert layer.to("cpu") is layer
-    assert layer.cpu() is layer
+    layer(x).sum().backward()  # sessions built on the cpu before the move
+    assert layer.to("meta") is layer
+    assert all(p.is_meta for p in layer.parameters())
+    assert layer.to_empty(device="cpu") is layer
     assert all(p.device.type == "cpu" for p in layer.parameters())
-    torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
+    ref = make_mlp(seed=3)
+    layer.load_state_dict(ref.state_dict())
+    layer.zero_grad(set_to_none=True)
+    compare_with_torch(ref, layer, [x.requires_grad_()], rtol=1e-5, atol=1e-6)
+    assert layer.to("cpu") is layer and layer.cpu() is layer
 
 
 def test_input_on_another_device_names_the_input(mlp_proto):

@@ -90,6 +90,15 @@ def _fresh_copy(module):
     return copy
 
 
+def _linear_like(model):
+    """``torch.nn.Linear`` holding a one-Gemm model's initial weights, in their dtype."""
+    weights = {i.name: torch.from_numpy(numpy_helper.to_array(i)) for i in model.graph.initializer}
+    n_out, n_in = weights["weight"].shape
+    linear = torch.nn.Linear(n_in, n_out, dtype=weights["weight"].dtype)
+    linear.load_state_dict(weights)
+    return linear
+
+
 def _max_diff(weights, expected):
     assert set(weights) == set(expected)
     return max(float(np.abs(weights[k] - expected[k]).max()) for k in weights)
@@ -333,9 +342,15 @@ def test_float64_model_trains(make_trainer):
         value.type.tensor_type.elem_type = onnx.TensorProto.DOUBLE
     X = np.random.default_rng(0).standard_normal((40, N_IN))
     y = X @ np.arange(1.0, N_IN + 1)
-    trainer = make_trainer(model, optimizer="sgd", learning_rate=0.1, max_iter=30)
+    trainer = make_trainer(
+        model, optimizer="sgd", learning_rate=0.1, max_iter=30, batch_size=BATCH, shuffle=False
+    )
+    start = _linear_like(model)
     trainer.fit(X, y)
     assert trainer.predict(X).dtype == np.float64
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    expected = _torch_reference(start, X, y[:, None], sgd, _mse, epochs=30)
+    assert _max_diff(trainer.get_weights(), expected) <= 1e-12
     assert trainer.train_losses_[-1] < 1e-6
 
 
@@ -493,9 +508,15 @@ def test_old_model_with_initializers_listed_as_inputs(make_trainer, data):
     model.opset_import.append(onnx.helper.make_opsetid("", 9))
     model.ir_version = 3
     y = X @ np.arange(1.0, N_IN + 1, dtype=np.float32)
-    trainer = make_trainer(model, optimizer="sgd", learning_rate=0.1, max_iter=30)
+    # Three epochs, short of convergence: the weights still show every step.
+    trainer = make_trainer(
+        model, optimizer="sgd", learning_rate=0.1, max_iter=3, batch_size=BATCH, shuffle=False
+    )
+    start = _linear_like(model)
     trainer.fit(X, y)
-    assert trainer.train_losses_[-1] < 1e-4
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    expected = _torch_reference(start, X, y[:, None], sgd, _mse, epochs=3)
+    assert _max_diff(trainer.get_weights(), expected) <= 1e-5
     session = onnxruntime.InferenceSession(
         trainer.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"]
     )
@@ -516,7 +537,11 @@ def test_dropout_is_off_in_predictions(make_trainer):
     y = X[:, :1] - X[:, 1:2]
     trainer = make_trainer(onx, optimizer="sgd", learning_rate=0.05, max_iter=3)
     trainer.fit(X, y)
-    np.testing.assert_array_equal(trainer.predict(X), trainer.predict(X))
+    # torch's network in eval mode (no Dropout) with the trained weights.
+    net.load_state_dict({k: torch.from_numpy(v) for k, v in trainer.get_weights().items()})
+    with torch.no_grad():
+        expected = net.eval()(torch.from_numpy(X)).numpy()
+    np.testing.assert_allclose(trainer.predict(X), expected, rtol=1e-5, atol=1e-6)
     session = onnxruntime.InferenceSession(
         trainer.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"]
     )

@@ -222,12 +222,17 @@ def test_initializers_listed_as_inputs_old_ir():
     proto = linear_model_ir3()
     layer = OnnxModule(proto)
     assert layer.input_names == ["x"]
-    x = torch.randn(2, 3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
     w, b = layer.onnx_weight("weight"), layer.onnx_weight("bias")
+    ref = [t.detach().clone().requires_grad_() for t in (x, w, b)]
     out = layer(x)
-    torch.testing.assert_close(out, x @ w.T + b)
-    out.sum().backward()
-    assert w.grad is not None and x.grad is not None
+    want = ref[0] @ ref[1].T + ref[2]
+    torch.testing.assert_close(out, want)
+    upstream = torch.randn(out.shape)
+    out.backward(upstream)
+    want.backward(upstream)
+    for got, expected in zip((x, w, b), ref):
+        torch.testing.assert_close(got.grad, expected.grad)
 
 
 def linear_model_ir3():

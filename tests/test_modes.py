@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import json
+import subprocess
+import sys
 
+import onnx
 import pytest
 import torch
-from conftest import compare_with_torch, export
+from conftest import ENGINES, compare_with_torch, export
 from torch import nn
 
 from ortbridge import OnnxModule
+from ortbridge._examples import linear_model
 
 # Every test here runs on each engine installed (see conftest).
 pytestmark = pytest.mark.usefixtures("backend")
@@ -62,6 +68,84 @@ def test_dropout_off_in_eval_mode(dropout_net):
     x = torch.randn(16, 32)
     torch.testing.assert_close(layer(x), layer(x), rtol=0, atol=0)
     compare_with_torch(model, layer, [x.requires_grad_()])
+
+
+def test_dropout_masks_follow_torchs_generator_state(dropout_net):
+    """Restoring torch's generator state draws the same masks again, on every engine."""
+    _, proto = dropout_net
+    layer = OnnxModule(proto).train()
+    x = torch.randn(8, 32)
+    state = torch.get_rng_state()
+    runs = []
+    for _ in range(3):
+        torch.set_rng_state(state)
+        layer.zero_grad()
+        y = layer(x)
+        y.sum().backward()
+        runs.append((y.detach(), layer.get_parameter("0.weight").grad.clone()))
+    for first, *again in zip(*runs):
+        for value in again:
+            torch.testing.assert_close(value, first, rtol=0, atol=0)
+    assert not torch.equal(layer(x), runs[0][0])  # the generator moved on: new masks
+
+
+def test_forwards_that_draw_nothing_leave_torchs_generator_alone(dropout_net):
+    """Eval mode (Dropout off) and graphs without Dropout do not advance torch's generator."""
+    _, proto = dropout_net
+    layer = OnnxModule(proto).eval()
+    plain = OnnxModule(linear_model(3, 2)).train()
+    x, x_plain = torch.randn(4, 32), torch.randn(4, 3)
+    state = torch.get_rng_state()
+    layer(x).sum().backward()
+    plain(x_plain).sum().backward()
+    with torch.no_grad():
+        layer(x), plain(x_plain)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def seeded_run(layer, seed: int) -> list:
+    """Outputs and a weight gradient of two train-mode steps after ``torch.manual_seed``.
+
+    Self-contained: its source also runs in a new process.
+    """
+    torch.manual_seed(seed)
+    layer.zero_grad()
+    x = torch.randn(6, 32)
+    outputs = []
+    for _ in range(2):
+        y = layer(x)
+        y.sum().backward()
+        outputs.append(y.detach().tolist())
+    return [*outputs, layer.get_parameter("0.weight").grad.tolist()]
+
+
+@pytest.mark.engines(ENGINES[0])  # one new process checks every engine installed
+def test_seeded_dropout_reproduces_in_a_new_process(dropout_net, tmp_path):
+    """Masks come from torch's generator (the training agent seeds onnxruntime's from
+    it): a fresh process with the same seed gives the same outputs and gradients."""
+    _, proto = dropout_net
+    path = tmp_path / "dropout.onnx"
+    onnx.save(proto, path)
+    code = "\n".join(
+        [
+            "import json, sys, torch",
+            "from ortbridge import OnnxModule",
+            inspect.getsource(seeded_run),
+            "layers = [OnnxModule(sys.argv[1], backend=b).train() for b in sys.argv[2:]]",
+            "print(json.dumps([seeded_run(layer, 0) for layer in layers]))",
+        ]
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path), *ENGINES],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    theirs = json.loads(done.stdout.splitlines()[-1])
+    for engine, their_run in zip(ENGINES, theirs, strict=True):
+        layer = OnnxModule(proto, backend=engine).train()
+        assert seeded_run(layer, 0) == their_run, engine
+        assert seeded_run(layer, 1) != their_run, engine
 
 
 @pytest.fixture(scope="module")

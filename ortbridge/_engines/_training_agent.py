@@ -5,6 +5,12 @@ a ``YieldOp``, backward) with training-only kernels, and a ``TrainingAgent``
 runs it in two halves. ``forward`` returns an execution state that
 ``backward`` resumes once; a second backward (``retain_graph=True``) runs the
 forward again from the saved inputs. Needs the training build.
+
+Dropout masks come from onnxruntime's global generator, not torch's: a
+graph that draws them reseeds it before each forward with a seed drawn from
+torch's generator, so that torch's state decides the masks
+(``torch.manual_seed``, ``torch.set_rng_state``), in a new process too. The
+seed is a residual: a forward run again from it draws the same masks.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ _MISSING_GRAD = re.compile(
 )
 
 
+#: Kernels that draw from onnxruntime's global generator at every run (the
+#: training build may turn a Dropout into one of the com.microsoft ones).
+_DRAWING_OPS = frozenset({"Dropout", "BitmaskDropout", "BiasDropout", "BitmaskBiasDropout"})
+
 _CAPI = None
 
 
@@ -50,7 +60,7 @@ class GradientGraph(SessionHolder):
     """
 
     engine = NAME
-    #: The residuals are an execution state, not tensors torch can save.
+    #: What the backward resumes is an execution state, not tensors torch can save.
     saves_tensors = False
 
     def __init__(
@@ -105,6 +115,7 @@ class GradientGraph(SessionHolder):
         self.feed_order = None if order == list(range(len(position))) else order
         self.grad_slots = [position[n] for n in self.grad_targets]
         self.gradient_model = gradient
+        self.draws = any(node.op_type in _DRAWING_OPS for node in gradient.graph.node)
         try:
             self.session, self.pinning = _session(gradient, device, session_options, providers)
         except OnnxModelError as exc:
@@ -126,14 +137,22 @@ class GradientGraph(SessionHolder):
     def forward(self, tensors: list[torch.Tensor]):
         """Run up to the YieldOp on ``tensors`` (in the caller's order).
 
-        Returns the outputs (user outputs, then new running statistics), no
-        residual tensors, and the execution state :meth:`backward` consumes.
+        Returns the outputs (user outputs, then new running statistics), the
+        residuals (the generator's seed where the graph draws masks) and the
+        execution state :meth:`backward` consumes.
         """
+        # A CPU draw: no device synchronisation for a module on CUDA.
+        seed = torch.randint(2**31 - 1, ()) if self.draws else None
+        return self._forward(tensors, seed)
+
+    def _forward(self, tensors, seed):
         C = _capi()
         if self.pinning is not None:
             self.pinning.follow()
         if self.feed_order is not None:
             tensors = [tensors[i] for i in self.feed_order]
+        if seed is not None:
+            C.set_seed(int(seed))
         inputs = to_ortvalues(tensors)
         outputs = C.OrtValueVector()
         state = C.PartialGraphExecutionState()
@@ -145,18 +164,20 @@ class GradientGraph(SessionHolder):
         # (memory patterns), which backward reuses and then frees: torch gets
         # its own copy. Copying an output is far cheaper than running without
         # memory patterns (measured: a whole MLP step 25% slower).
-        return [t.clone() for t in from_ortvalues(outputs)], (), state
+        outputs = [t.clone() for t in from_ortvalues(outputs)]
+        return outputs, () if seed is None else (seed,), state
 
     def backward(self, grad_outputs, state, residuals=(), tensors=None, saved_outputs=None):
         """Resume ``state``; the gradients, one per ``grad_targets``/``grad_slots``.
 
         ``grad_outputs``: one per differentiable output. ``state`` None
         (consumed by an earlier backward): the forward runs again on
-        ``tensors`` first.
+        ``tensors`` first, from the seed in ``residuals`` where given (the
+        same masks), else from where onnxruntime's generator stands.
         """
         C = _capi()
         if state is None:
-            _, _, state = self.forward(tensors)
+            _, _, state = self._forward(tensors, residuals[0] if residuals else None)
         if self.pinning is not None:
             self.pinning.follow()
         inputs = to_ortvalues(grad_outputs)
