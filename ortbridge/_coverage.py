@@ -882,7 +882,13 @@ def _diff(got, want) -> str:
 
 
 def _worker(conn, cases: Sequence[NodeCase], samples: int, quiet: bool, backend: str) -> None:
+    import gc
+
     import torch
+
+    # What the fork inherited (the parent's onnxruntime sessions among it) is
+    # never collected here: destroying an inherited session can kill the worker.
+    gc.freeze()
 
     torch.set_num_threads(1)
     if quiet:  # onnxruntime logs its load failures on stderr, which the result records
