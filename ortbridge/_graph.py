@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from . import _activations
 from ._model_checks import check_loaded, check_runnable
-from ._onnx_utils import FLOAT_TYPES, node_reads, np_dtype
+from ._onnx_utils import FLOAT_TYPES, node_reads, np_dtype, set_input_shapes
 from ._sequence_rewrites import sequences_as_tensors
 from .exceptions import NotDifferentiableError, OnnxModelError, OnnxTypeError
 
@@ -417,12 +417,7 @@ def values_per_channel(
     """
     sized = onnx.ModelProto()
     sized.CopyFrom(model)
-    for value in sized.graph.input:
-        if value.name in shapes:
-            dims = value.type.tensor_type.shape.dim
-            del dims[:]
-            for size in shapes[value.name]:
-                dims.add().dim_value = size
+    set_input_shapes(sized, shapes)
     try:
         inferred = onnx.shape_inference.infer_shapes(sized)
     except Exception:  # noqa: BLE001 - an unknown count is checked after the run instead

@@ -13,8 +13,7 @@ from __future__ import annotations
 import onnx
 from onnx import defs
 
-from . import _ort
-from ._ort_limits import limits
+from ._ort_limits import fit_to_runtime
 from .exceptions import OnnxModelError
 
 #: Domains onnxruntime registers kernels for, beside the ONNX standard ones.
@@ -66,18 +65,9 @@ def check_runnable(model: onnx.ModelProto) -> None:
             f"graph output(s) {missing} are computed by no node and are neither inputs nor "
             "initializers of the graph"
         )
-    max_ir, max_opset = limits()
-    version = _ort.runtime().__version__
+    fit_to_runtime(model)
     opsets = {o.domain or "": o.version for o in model.opset_import}
     opset = opsets.get("", opsets.get("ai.onnx"))
-    if opset is not None and opset > max_opset:
-        raise OnnxModelError(
-            f"the model uses ai.onnx opset {opset}; onnxruntime {version} runs opsets up to "
-            f"{max_opset} (and IR versions up to {max_ir}): convert it with "
-            f"onnx.version_converter.convert_version(model, {max_opset})"
-        )
-    if model.ir_version > max_ir:
-        model.ir_version = max_ir
     functions = {(f.domain, f.name) for f in model.functions}
     for node in graph.node:
         if node.domain not in _STANDARD_DOMAINS or (node.domain, node.op_type) in functions:

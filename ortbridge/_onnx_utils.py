@@ -33,6 +33,16 @@ def make_model(graph: onnx.GraphProto, opset: int = OPSET, extra_opsets=None) ->
     return model
 
 
+def set_input_shapes(model: onnx.ModelProto, shapes: dict) -> None:
+    """Declare the graph inputs named in ``shapes`` (name -> sizes) with those sizes, in place."""
+    for value in model.graph.input:
+        if value.name in shapes:
+            dims = value.type.tensor_type.shape.dim
+            del dims[:]
+            for size in shapes[value.name]:
+                dims.add().dim_value = size
+
+
 def attr(node: onnx.NodeProto, name: str, default=None):
     """The value of attribute ``name`` of ``node`` (strings decoded), or ``default``."""
     for a in node.attribute:

@@ -115,6 +115,14 @@ def culprit(text: str, model: onnx.ModelProto | None):
     return None
 
 
+def _at_node(found) -> str:
+    """`` at node 'name' (op type T)`` for what :func:`culprit` found, or ""."""
+    if found is None:
+        return ""
+    node, op_type, _ = found
+    return f" at node {node!r}" + (f" (op type {op_type})" if op_type else "")
+
+
 def translate(
     exc: BaseException,
     doing: str,
@@ -132,11 +140,10 @@ def translate(
     text = str(exc)
     reason = plain(text)
     found = culprit(text, model)
-    where = ""
+    where = _at_node(found)
     node = op_type = None
     if found is not None:
         node, op_type, kernel = found
-        where = f" at node {node!r}" + (f" (op type {op_type})" if op_type else "")
         if kernel:
             where += f", in its gradient kernel {kernel}"
     status = status_of(text)
@@ -172,8 +179,5 @@ def load_error(exc: BaseException, model: onnx.ModelProto | None, what: str) -> 
             f"{domain!r}. Custom operators need their library: "
             "options.register_custom_ops_library(path), then session_options=options"
         )
-    found = culprit(text, model)
-    where = (
-        f" at node {found[0]!r}" + (f" (op type {found[1]})" if found[1] else "") if found else ""
-    )
+    where = _at_node(culprit(text, model))
     return OnnxModelError(f"onnxruntime cannot load {what}{where}: {plain(text)}")

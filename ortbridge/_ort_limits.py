@@ -41,8 +41,9 @@ def fit_to_runtime(model: onnx.ModelProto) -> onnx.ModelProto:
     for opset in model.opset_import:
         if opset.domain in ("", "ai.onnx") and opset.version > max_opset:
             raise OnnxModelError(
-                f"the model uses ai.onnx opset {opset.version}, onnxruntime "
-                f"{_ort.runtime().__version__} runs opsets up to {max_opset}: convert it with "
+                f"the model uses ai.onnx opset {opset.version}; onnxruntime "
+                f"{_ort.runtime().__version__} runs opsets up to {max_opset} (and IR versions "
+                f"up to {ir_version}): convert it with "
                 f"onnx.version_converter.convert_version(model, {max_opset})"
             )
     return model

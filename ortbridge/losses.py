@@ -226,7 +226,7 @@ def add_loss_output(
     del graph.output[:]
     graph.output.append(helper.make_tensor_value_info(loss_name, elem, []))
     graph.output.extend(outputs)
-    return fit_to_runtime(model)
+    return model  # its IR version already fitted by _ai_onnx_opset
 
 
 def _ai_onnx_opset(model: onnx.ModelProto) -> int:

@@ -26,7 +26,7 @@ import onnx
 import torch
 
 from .. import _ort
-from .._onnx_utils import attr, gradient_path
+from .._onnx_utils import attr, gradient_path, set_input_shapes
 from .._ort_errors import translate
 from .._runtime import _session, from_ortvalues, ort_device, to_ortvalues
 from ..exceptions import (
@@ -192,14 +192,6 @@ def _stand_in_shapes(model, n_inputs):
     return tuple(shapes)
 
 
-def _set_static(model: onnx.ModelProto, shapes) -> None:
-    for vi, shape in zip(model.graph.input, shapes):
-        dims = vi.type.tensor_type.shape.dim
-        del dims[:]
-        for size in shape:
-            dims.add().dim_value = size
-
-
 def _declare_outputs(model: onnx.ModelProto) -> None:
     """Give the graph outputs the shapes onnx infers: onnx-ad seeds need them."""
     try:
@@ -284,7 +276,7 @@ class _Built:
         m.CopyFrom(model)
         _bake(m, baked)
         if static is not None:
-            _set_static(m, static)
+            set_input_shapes(m, {vi.name: shape for vi, shape in zip(m.graph.input, static)})
         n_user = len(m.graph.output)
         stat_outputs, self.masks = _train_ops.lower_training_nodes(m, batch_norms)
         _refuse_old_ceil_pools(m)  # before _prepare rewrites the pools

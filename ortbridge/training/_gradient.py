@@ -39,6 +39,7 @@ import onnx
 from .. import _engines, _ort, _ort_errors
 from .._gradient_rewrites import rewrite_gradient
 from .._graph import weights_as_inputs
+from .._onnx_utils import set_input_shapes
 from ..exceptions import NotDifferentiableError, OnnxModelError
 
 BUILDER = _engines.TRAINING_AGENT
@@ -142,12 +143,7 @@ def _from_onnx_ad(forward, loss, trainable, session_options, data_inputs, reason
     from ._reverse_gradient import reverse_gradient  # imports onnx-ad
 
     forward = _copy(forward)  # unchanged for the other source if this one refuses
-    for value in forward.graph.input:
-        if static and value.name in static:
-            dims = value.type.tensor_type.shape.dim
-            del dims[:]
-            for size in static[value.name]:
-                dims.add().dim_value = size
+    set_input_shapes(forward, static or {})
     if static:
         try:  # a batch the model cannot take: say so, not what onnx-ad makes of it
             onnx.shape_inference.infer_shapes(forward, strict_mode=True)
