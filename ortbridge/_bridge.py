@@ -174,7 +174,9 @@ class Bridge:
         graph = self._inference_graphs.get(key)
         if graph is None:
             model, _ = self._variant(mode, for_gradient=False)
-            graph = InferenceGraph(model, device, self.session_options, self.providers)
+            graph = InferenceGraph(
+                model, device, self.session_options, self.providers, seeded=mode == _graph.TRAIN
+            )
             self._inference_graphs[key] = graph
         return graph
 

@@ -137,8 +137,12 @@ def _backward(ctx, *grad_outputs):
         )
     else:
         token, ctx.token = ctx.token, None  # the state holds every activation: freed here
-        # A state consumed by an earlier backward (retain_graph) is rebuilt from the inputs.
-        grads = graph.backward(feeds, token, (), None if token is not None else _inputs(ctx, saved))
+        # A state consumed by an earlier backward (retain_graph) is rebuilt from
+        # the inputs and the saved residuals (the Dropout seed: the same masks).
+        residuals = saved[ctx.n_kept + ctx.n_saved_outputs :]
+        grads = graph.backward(
+            feeds, token, residuals, None if token is not None else _inputs(ctx, saved)
+        )
     # (bridge, mode, *tensors): one slot per argument of forward.
     result = [None] * (2 + len(ctx.bridge.feed_names))
     for slot, grad in zip(graph.grad_slots, grads):

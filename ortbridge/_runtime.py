@@ -18,6 +18,21 @@ from .exceptions import OnnxModelError, OrtBridgeError
 
 _CAPI = None
 
+# Ops drawing from onnxruntime's global generator at every run (Dropout's
+# masks): a run reseeds it from torch's generator, so that torch's state
+# (``torch.manual_seed``) decides the masks, in a new process too.
+DRAWING_OPS = frozenset({"Dropout", "BitmaskDropout", "BiasDropout", "BitmaskBiasDropout"})
+
+
+def draws(model: onnx.ModelProto) -> bool:
+    """Whether a run of ``model`` draws from onnxruntime's generator."""
+    return any(node.op_type in DRAWING_OPS for node in model.graph.node)
+
+
+def torch_seed() -> torch.Tensor:
+    """A seed for onnxruntime's generator from torch's (a CPU draw: no device sync)."""
+    return torch.randint(2**31 - 1, ())
+
 
 def _capi():
     """``onnxruntime.capi._pybind_state``, cached: it is needed on every call."""
@@ -203,9 +218,13 @@ class SessionHolder:
 class InferenceGraph(SessionHolder):
     """A plain inference session over a graph whose weights are inputs."""
 
-    def __init__(self, model: onnx.ModelProto, device, session_options=None, providers=None):
+    def __init__(
+        self, model: onnx.ModelProto, device, session_options=None, providers=None, seeded=False
+    ):
         self.session, self.pinning = _session(model, device, session_options, providers)
         self._model = model  # names the node of a run-time failure
+        # A train-mode graph with Dropout: masks from a seed torch's generator draws.
+        self.seeded = seeded and draws(model)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._devices = [ort_device(device)] * len(self.output_names)
@@ -217,6 +236,8 @@ class InferenceGraph(SessionHolder):
             self.pinning.follow()
         inputs = to_ortvalues([feeds[name] for name in self.input_names])
         outputs = C.OrtValueVector()
+        if self.seeded:
+            C.set_seed(int(torch_seed()))
         try:
             self.session._sess.run_with_ortvaluevector(
                 self._run_options,

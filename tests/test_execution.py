@@ -174,16 +174,8 @@ def test_retain_graph_runs_the_forward_once_where_it_can(backend, monkeypatch):
     assert len(runs) == (2 if backend == "training-agent" else 1)
 
 
-def test_retain_graph_second_backward_keeps_the_masks(backend, request):
+def test_retain_graph_second_backward_keeps_the_masks(backend):
     """A recomputed forward would draw new Dropout masks: both backwards must agree."""
-    if backend == "training-agent":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="the agent recomputes the forward; the same masks need the Function "
-                "to hand its saved residuals (the seed) back to the recomputation",
-            )
-        )
     layer = OnnxModule(_dropout_model()).train()
     x = torch.randn(5, 6)
     y = layer(x)

@@ -24,7 +24,15 @@ from .. import _ort
 from .._gradient_rewrites import rewrite_gradient
 from .._graph import batch_var_from_inv_std, unbiased_running_var
 from .._ort_errors import translate
-from .._runtime import SessionHolder, _session, from_ortvalues, ort_device, to_ortvalues
+from .._runtime import (
+    SessionHolder,
+    _session,
+    draws,
+    from_ortvalues,
+    ort_device,
+    to_ortvalues,
+    torch_seed,
+)
 from ..exceptions import NotDifferentiableError, OnnxModelError, OrtBridgeError
 from . import _builder_limits
 
@@ -38,8 +46,6 @@ _MISSING_GRAD = re.compile(
 
 #: Kernels that draw from onnxruntime's global generator at every run (the
 #: training build may turn a Dropout into one of the com.microsoft ones).
-_DRAWING_OPS = frozenset({"Dropout", "BitmaskDropout", "BiasDropout", "BitmaskBiasDropout"})
-
 _CAPI = None
 
 
@@ -115,7 +121,7 @@ class GradientGraph(SessionHolder):
         self.feed_order = None if order == list(range(len(position))) else order
         self.grad_slots = [position[n] for n in self.grad_targets]
         self.gradient_model = gradient
-        self.draws = any(node.op_type in _DRAWING_OPS for node in gradient.graph.node)
+        self.draws = draws(gradient)
         try:
             self.session, self.pinning = _session(gradient, device, session_options, providers)
         except OnnxModelError as exc:
@@ -141,8 +147,7 @@ class GradientGraph(SessionHolder):
         residuals (the generator's seed where the graph draws masks) and the
         execution state :meth:`backward` consumes.
         """
-        # A CPU draw: no device synchronisation for a module on CUDA.
-        seed = torch.randint(2**31 - 1, ()) if self.draws else None
+        seed = torch_seed() if self.draws else None
         return self._forward(tensors, seed)
 
     def _forward(self, tensors, seed):
