@@ -437,7 +437,7 @@ def test_batch_norm_models_train_batch_by_batch(make_regressor, data):
 
 def test_small_steps_run_on_one_thread():
     """Waking a second thread costs more than a small step: one thread under 4e6 multiply-adds."""
-    from ortbridge.training._estimators import _epoch_session_options
+    from ortbridge.training._estimator_in_graph import _epoch_session_options
 
     assert _epoch_session_options(15 * 5_600).intra_op_num_threads == 1
     big = _epoch_session_options(64 * 200_000).intra_op_num_threads
