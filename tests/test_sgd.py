@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ortbridge import OnnxModule
 from ortbridge._onnx_utils import make_model
 from ortbridge.exceptions import OnnxInputError, OnnxTypeError
-from ortbridge.training import OrtSGD, _sgd
+from ortbridge.training import OrtSGD, _fused_sgd, _sgd_rule
 
 HYPER = {
     "plain": {},
@@ -79,8 +79,8 @@ def test_follows_torch_sgd_on_onnx_module(hyper, monkeypatch):
     ours, ref = OnnxModule(mlp_model()), OnnxModule(mlp_model())
     optimizer = OrtSGD(ours.parameters(), lr=0.05, **kwargs)
     calls = []
-    run = _sgd._Update.run
-    monkeypatch.setattr(_sgd._Update, "run", lambda self: calls.append(1) or run(self))
+    run = _fused_sgd._Update.run
+    monkeypatch.setattr(_fused_sgd._Update, "run", lambda self: calls.append(1) or run(self))
     gen = torch.Generator().manual_seed(0)
     train(ours, optimizer, steps=1, gen=gen)
     addresses = [p.data_ptr() for p in ours.parameters()]
@@ -232,10 +232,10 @@ def test_update_graph_is_one_valid_model():
     """Every parameter of every group and dtype in one checked model, no copies."""
     import onnx
 
-    momentum = _sgd._Flags(True, True, True, True, unit_grad=False, unit_step=False)
-    plain = _sgd._Flags(False, False, False, False, unit_grad=False, unit_step=False)
+    momentum = _sgd_rule._Flags(True, True, True, True, unit_grad=False, unit_step=False)
+    plain = _sgd_rule._Flags(False, False, False, False, unit_grad=False, unit_step=False)
     sets = ((TensorProto.FLOAT, momentum), (TensorProto.DOUBLE, plain))
-    model = _sgd.build_update_graph((sets, ((0, 2), (1, 1), (0, 1))))
+    model = _sgd_rule.build_update_graph((sets, ((0, 2), (1, 1), (0, 1))))
     onnx.checker.check_model(model, full_check=True)
     assert [o.name for o in model.graph.output] == [
         "w0_new", "v0_new", "w1_new", "w2_new", "v2_new",

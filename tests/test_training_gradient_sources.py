@@ -20,7 +20,7 @@ from ortbridge.exceptions import (
     OnnxInputError,
     OnnxModelError,
 )
-from ortbridge.training import OnnxSGDRegressor, OrtFullGraphTrainer, OrtSGD, _sgd
+from ortbridge.training import OnnxSGDRegressor, OrtFullGraphTrainer, OrtSGD, _sgd_rule
 from ortbridge.training import _reverse_gradient as reverse_module
 from ortbridge.training._gradient import gradient_model
 from ortbridge.training._sessions import session_options, training_session
@@ -274,7 +274,7 @@ def test_graphs_get_the_installed_runtimes_ir_version_and_opsets(data):
     optimizer.step()
     graphs = [g.model for g in reg._epoch_graphs.values()]
     graphs += [trainer._active.training.model, trainer.to_onnx(), reg.to_onnx()]
-    graphs += [_sgd.build_update_graph(layout) for layout in optimizer._updates]
+    graphs += [_sgd_rule.build_update_graph(layout) for layout in optimizer._updates]
     for graph in graphs:
         opsets = {o.domain or "ai.onnx": o.version for o in graph.opset_import}
         assert graph.ir_version <= max_ir and opsets["ai.onnx"] <= max_opset

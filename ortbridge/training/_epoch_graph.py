@@ -15,7 +15,7 @@ Python between steps. A step:
   (:mod:`._gradient`: the training build's gradient builder, or onnx-ad's
   standard-op reverse graph, which any onnxruntime runs);
 - applies scikit-learn's update with the nodes :class:`._sgd.SklearnSGD`
-  runs (:func:`._sgd._update_nodes`); the coefficients that depend on the
+  runs (:func:`._sgd_rule._update_nodes`); the coefficients that depend on the
   batch (``1 / sum of its sample weights`` times the learning rate...) are
   computed by the caller in float64 and gathered per step.
 
@@ -53,7 +53,7 @@ from .._ort_errors import translate
 from .._ort_limits import fit_to_runtime
 from ._gradient import ONNX_AD, gradient_model
 from ._sessions import training_session
-from ._sgd import _Flags, _scalar_names, _scalar_values, _update_nodes
+from ._sgd_rule import _Flags, _scalar_names, _scalar_values, _update_nodes
 from ._simplify import merge_reshapes
 
 _P = "ortbridge_epoch/"
