@@ -11,15 +11,18 @@ onnxruntime's own training API (``onnxruntime.training.api``) needs two calls
 a step (``Module.__call__`` then ``Optimizer.step``), copies every gradient
 into an accumulation buffer, and its ``generate_artifacts`` writes an AdamW
 that is not torch's; it is not used here.
+
+This module holds the public class: its parameters, the training loop, the
+predictions and the checkpoint methods. The checks of the model and the
+data are in :mod:`._full_graph_checks`; the runners holding the state, its
+snapshots for checkpoints and pickles, and the checkpoint files in
+:mod:`._full_graph_state`.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import os
-import zipfile
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,33 +31,22 @@ from numpy.typing import ArrayLike
 
 from .. import _ort
 from .._graph import load_model, normalize, predicting_model, weights_as_inputs, with_weights
-from .._onnx_utils import FLOAT_TYPES, np_dtype
+from .._onnx_utils import np_dtype
 from .._ort_errors import plain
 from .._ort_limits import fit_to_runtime
-from ..exceptions import (
-    NotFittedError,
-    OnnxInputError,
-    OnnxModelError,
-    TrainingDivergedError,
-)
+from ..exceptions import OnnxInputError, OnnxModelError, TrainingDivergedError
+from ._full_graph_checks import _TrainerChecks
+from ._full_graph_state import _TrainerState, read_checkpoint, write_checkpoint
 from ._sessions import session_options as default_session_options
 from ._sessions import training_session
-from ._training_graph import (
-    LABEL,
-    SAMPLE_WEIGHT,
-    PingPongRunner,
-    build_training_graph,
-    state_slots,
-)
+from ._training_graph import PingPongRunner
 from ._update_graph import check_learning_rate, optimizer_options
 
 if TYPE_CHECKING:  # onnxruntime is imported when a session is made, not before
     import onnxruntime
 
-_CHECKPOINT_FORMAT = "ortbridge.OrtFullGraphTrainer checkpoint"
 
-
-class OrtFullGraphTrainer:
+class OrtFullGraphTrainer(_TrainerChecks, _TrainerState):
     """Trains a whole ONNX model inside onnxruntime: forward, loss, backward, update.
 
     Each training step is one onnxruntime call on one graph built from the
@@ -308,8 +300,7 @@ class OrtFullGraphTrainer:
             Where to write, the name as given (no suffix is added).
         """
         meta, arrays = self._snapshot("save_checkpoint")
-        with open(os.fspath(path), "wb") as f:
-            np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+        write_checkpoint(os.fspath(path), meta, arrays)
 
     def load_checkpoint(self, path: str | os.PathLike) -> OrtFullGraphTrainer:
         """Restore what :meth:`save_checkpoint` wrote; the next ``fit`` continues from it.
@@ -325,31 +316,8 @@ class OrtFullGraphTrainer:
             self.
         """
         path = os.fspath(path)
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                meta = json.loads(str(data["meta"]))
-                arrays = {k: data[k] for k in data.files if k != "meta"}
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-            raise OnnxInputError(f"{path!r} is not a trainer checkpoint: {exc}") from exc
-        if meta.get("format") != _CHECKPOINT_FORMAT:
-            raise OnnxInputError(f"{path!r} is not an OrtFullGraphTrainer checkpoint")
+        meta, arrays = read_checkpoint(path)
         return self._restore(meta, arrays, f"checkpoint {path!r}")
-
-    def __getstate__(self):
-        # onnxruntime sessions do not pickle: keep the parameters and the
-        # training state, the sessions are rebuilt on first use.
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-        for name in ("train_losses_", "n_iter_", "n_steps_"):
-            state.pop(name, None)
-        fitted = self._onnx is not None and self._fitted and self._active is not None
-        state["_snapshot"] = self._snapshot("pickle") if fitted else None
-        return state
-
-    def __setstate__(self, state):
-        snapshot = state.pop("_snapshot")
-        self.__init__(**state)
-        if snapshot is not None:
-            self._restore(*snapshot, "the pickled trainer")
 
     def reset(self) -> OrtFullGraphTrainer:
         """Forget the training: the next ``fit`` starts from the model's initializers."""
@@ -366,199 +334,22 @@ class OrtFullGraphTrainer:
         if self._onnx is not None:
             return
         model = normalize(load_model(self.model))
-        floats = {
-            init.name: init for init in model.graph.initializer if init.data_type in FLOAT_TYPES
-        }
-        trainable = list(floats) if self.trainable is None else list(self.trainable)
-        unknown = [name for name in trainable if name not in floats]
-        if unknown or not trainable:
-            raise OnnxInputError(
-                f"trainable={self.trainable!r}: {unknown or 'nothing'} is not a floating-point "
-                f"initializer of the model; expected some of {list(floats)}"
-            )
-        batch_norms = [n.name for n in model.graph.node if n.op_type == "BatchNormalization"]
-        if batch_norms:
-            # Trained in train mode they use batch statistics, and the graph has
-            # no way to update the running ones.
-            raise OnnxModelError(
-                f"OrtFullGraphTrainer cannot train BatchNormalization nodes {batch_norms}: "
-                "their running statistics would never be updated; train the model with "
-                "ortbridge.OnnxModule, which tracks them"
-            )
-        types = {floats[name].data_type for name in trainable}
-        inits = {init.name for init in model.graph.initializer}
-        inputs = [i for i in model.graph.input if i.name not in inits]
-        if len(inputs) != 1:
-            raise OnnxModelError(
-                f"OrtFullGraphTrainer trains models with one input, this one has "
-                f"{[i.name for i in inputs]}"
-            )
-        if len(types) != 1 or not types <= {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}:
-            names = [onnx.TensorProto.DataType.Name(t) for t in sorted(types)]
-            raise OnnxModelError(
-                f"OrtFullGraphTrainer trains float32 or float64 weights of one type, the "
-                f"trainable initializers are {names}"
-            )
+        floats, trainable, input_info, elem = self._check_model(model)
         self._options = optimizer_options(self.optimizer, self.optimizer_params)
         self._onnx = model
         self._trainable = trainable
-        self._input_name = inputs[0].name
-        self._input_dtype = np_dtype(inputs[0].type.tensor_type.elem_type)
-        input_type = inputs[0].type.tensor_type
+        self._input_name = input_info.name
+        self._input_dtype = np_dtype(input_info.type.tensor_type.elem_type)
+        input_type = input_info.type.tensor_type
         self._input_shape = None
         if input_type.HasField("shape"):
             self._input_shape = tuple(
                 d.dim_value if d.HasField("dim_value") else None for d in input_type.shape.dim
             )
-        self._dtype = np_dtype(types.pop())
+        self._dtype = np_dtype(elem)
         self._initial = {name: onnx.numpy_helper.to_array(floats[name]) for name in trainable}
         self._rng = None
         self._fitted = False
         self.train_losses_: list[float] = []
         self.n_iter_ = 0
         self.n_steps_ = 0
-
-    def _runner(self, weighted: bool, shapes: list = ()) -> PingPongRunner:
-        """The runner of the graph variant with or without sample weights.
-
-        Switching variants copies the state once from the other variant.
-        ``shapes``: the batch shapes of the coming fit, whose graphs are built
-        before anything changes (a model that cannot be trained fails here).
-        """
-        runner = self._runners.get(weighted)
-        if runner is None:
-            build = functools.partial(
-                build_training_graph,
-                self._onnx,
-                self._trainable,
-                loss=self.loss,
-                optimizer=self.optimizer,
-                options=self._options,
-                weighted=weighted,
-                output_index=self.output_index,
-                penalty=self.penalty,
-                session_options=self.session_options,
-                backend=self.backend,
-            )
-            slots = state_slots(
-                self._onnx, self._trainable, self._dtype, self.optimizer, self._options
-            )
-            if self._active is not None:
-                initial = self._active.read_state()
-            else:
-                initial = {
-                    s.input: self._initial[s.input] if s.kind == "weight" else np.zeros(s.shape)
-                    for s in slots
-                }
-            data = [self._input_name, LABEL] + ([SAMPLE_WEIGHT] if weighted else [])
-            runner = PingPongRunner(
-                slots,
-                self._dtype,
-                data,
-                lambda shapes: build(shapes=shapes),
-                initial,
-                self.session_options,
-            )
-            runner.prepare(shapes)
-            self._runners[weighted] = runner
-        else:
-            runner.prepare(shapes)
-            if self._active is not None and self._active is not runner:
-                runner.write_state(self._active.read_state())
-        self._active = runner
-        self._fitted = True
-        return runner
-
-    def _snapshot(self, what: str) -> tuple[dict, dict]:
-        """The training state: JSON-able metadata and the state arrays."""
-        runner = self._fitted_runner(what)
-        state = runner.read_state()
-        meta = {
-            "format": _CHECKPOINT_FORMAT,
-            "version": 1,
-            "optimizer": self.optimizer,
-            "loss": self.loss,
-            "slots": [s.input for s in runner.slots],
-            "train_losses": self.train_losses_,
-            "n_iter": self.n_iter_,
-            "n_steps": self.n_steps_,
-            "rng": self._rng.bit_generator.state if self._rng is not None else None,
-        }
-        arrays = {f"state_{k}": state[s.input] for k, s in enumerate(runner.slots)}
-        return meta, arrays
-
-    def _restore(self, meta: dict, arrays: dict, where: str) -> OrtFullGraphTrainer:
-        self._prepare()
-        runner = self._active or self._runner(weighted=False)
-        expected = [s.input for s in runner.slots]
-        if meta["slots"] != expected or meta["optimizer"] != self.optimizer:
-            raise OnnxInputError(
-                f"{where} holds optimizer {meta['optimizer']!r} state {meta['slots']}, "
-                f"this trainer needs optimizer {self.optimizer!r} state {expected}: build "
-                "the trainer with the options of the saved one"
-            )
-        runner.write_state({name: arrays[f"state_{k}"] for k, name in enumerate(expected)})
-        self.train_losses_ = list(meta["train_losses"])
-        self.n_iter_, self.n_steps_ = meta["n_iter"], meta["n_steps"]
-        self._rng = None
-        if meta["rng"] is not None:
-            self._rng = np.random.default_rng()
-            self._rng.bit_generator.state = meta["rng"]
-        self._fitted = True
-        return self
-
-    def _fitted_runner(self, what: str) -> PingPongRunner:
-        if self._onnx is None or not self._fitted or self._active is None:
-            raise NotFittedError(
-                f"this OrtFullGraphTrainer is not fitted: call fit or load_checkpoint before {what}"
-            )
-        return self._active
-
-    def _check_inputs(self, X) -> np.ndarray:
-        X = np.ascontiguousarray(X, dtype=self._input_dtype)
-        expected = self._input_shape
-        if X.ndim == 0 or (
-            expected is not None
-            and (
-                len(expected) != X.ndim
-                or any(e is not None and e != d for e, d in zip(expected[1:], X.shape[1:]))
-            )
-        ):
-            shown = "?" if expected is None else tuple("N" if e is None else e for e in expected)
-            raise OnnxInputError(
-                f"input {self._input_name!r}: expected shape {shown}, got {X.shape}"
-            )
-        return X
-
-    def _check_data(self, X, y, sample_weight):
-        X = self._check_inputs(X)
-        n = len(X)
-        output = self._onnx.graph.output[self.output_index]
-        rank = len(output.type.tensor_type.shape.dim)
-        y = np.asarray(y, dtype=self._dtype)
-        if y.ndim == rank - 1 and rank == 2:
-            y = y.reshape(-1, 1)
-        elif y.ndim == rank + 1 and y.ndim == 2 and y.shape[1] == 1:
-            y = y.reshape(-1)
-        dims = output.type.tensor_type.shape.dim
-        sizes = [d.dim_value if d.HasField("dim_value") else None for d in dims]
-        if (
-            len(y) != n
-            or (rank and y.ndim != rank)
-            or any(s is not None and s != got for s, got in zip(sizes[1:], y.shape[1:]))
-        ):
-            shown = tuple(["N"] + ["?" if s is None else s for s in sizes[1:]]) if rank else ()
-            raise OnnxInputError(
-                f"y: expected {n} rows shaped like output {output.name!r} {shown}, "
-                f"got shape {y.shape}"
-            )
-        y = np.ascontiguousarray(y)
-        if sample_weight is not None:
-            sample_weight = np.asarray(sample_weight, dtype=self._dtype)
-            if sample_weight.size != n or sample_weight.ndim > 2:
-                raise OnnxInputError(
-                    f"sample_weight: expected shape ({n},), got {sample_weight.shape}"
-                )
-            # (N, 1) weights become (N,): multiplied with the (N,) per-row losses.
-            sample_weight = np.ascontiguousarray(sample_weight.reshape(n))
-        return X, y, sample_weight

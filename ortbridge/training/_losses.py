@@ -6,7 +6,8 @@ batch (the batch size without weights), as ``MLPRegressor`` does. Each loss
 exists twice: as ONNX nodes appended to a model (:func:`append_loss`), so that
 one onnxruntime forward gives the loss and one backward every gradient, and as
 numpy functions (:func:`loss_value`, :func:`loss_gradient`), the reference the
-tests compare the graphs with.
+tests compare the graphs with. Both stay in this module, a little over 400
+lines, so that a loss's nodes and its reference are read and changed together.
 
 With ``r = p - y`` the residual of a row (``p`` its prediction, a raw score
 for ``log_loss``), the value and the gradient in ``p`` of a row are:
