@@ -116,7 +116,7 @@ def gradcheck(
         One entry per float input and trainable weight; ``bool(report)`` is
         True when all pass, ``print(report)`` shows the table.
     """
-    from . import _coverage as cov
+    from ._coverage import _compare, _float64, _reference
     from .module import OnnxModule
 
     if not isinstance(module, OnnxModule):
@@ -148,16 +148,16 @@ def gradcheck(
     # running statistics over its inputs' memory.
     values32 = [t.detach().cpu().numpy().copy() for t in tensors]
     rng = np.random.default_rng(seed)
-    session32 = cov._reference_session(model)
+    session32 = _reference._reference_session(model)
     outputs32 = session32.run(None, dict(zip(names, values32)))
     dtype, session, values = "float32", session32, values32
     if not any(v.dtype == np.float16 for v in values32):
-        converted = cov._as_float64(model, names, values32, outputs32, rng)
+        converted = _float64._as_float64(model, names, values32, outputs32, rng)
         if converted is not None:
             _, session, values = converted
             dtype = "float64"
-    default = cov._TOLERANCES[dtype]
-    tol = cov._Tolerance(
+    default = _compare._TOLERANCES[dtype]
+    tol = _compare._Tolerance(
         rtol=default.rtol if rtol is None else rtol,
         atol=default.atol if atol is None else atol,
         step=default.step if eps is None else eps,
@@ -166,7 +166,7 @@ def gradcheck(
     seeded = [i for i, o in enumerate(outputs32) if np.asarray(o).dtype.kind == "f"]
     # Infinite or saturated outputs have no derivative: no cotangent there.
     cotangents = [
-        np.where(cov._regular(outputs32[i]), rng.standard_normal(np.shape(outputs32[i])), 0.0)
+        np.where(_compare._regular(outputs32[i]), rng.standard_normal(np.shape(outputs32[i])), 0.0)
         for i in seeded
     ]
     grads = _module_gradients(module, tensors, checked, seeded, cotangents, outputs32)
@@ -175,8 +175,8 @@ def gradcheck(
     for i in checked:
         picks = [np.zeros(0, dtype=np.int64)] * len(values)
         picker = np.random.default_rng(zlib.crc32(names[i].encode()) + seed)
-        picks[i] = cov._pick(values[i].size, samples, picker)
-        check = cov._finite_differences(
+        picks[i] = _compare._pick(values[i].size, samples, picker)
+        check = _compare._finite_differences(
             session, names, values, seeded, cotangents, reference, picks, grads, tol
         )
         entries.append(

@@ -15,6 +15,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 from ortbridge import _coverage
+from ortbridge._coverage._reference import _reference_session
 
 
 def _case(name, op_type, nodes, inputs, values, outputs, opset=18, initializers=(), shapes=None):
@@ -29,7 +30,7 @@ def _case(name, op_type, nodes, inputs, values, outputs, opset=18, initializers=
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
     model.ir_version = 9
     model = onnx.shape_inference.infer_shapes(model)
-    reference = _coverage._reference_session(model).run(None, dict(zip(inputs, values)))
+    reference = _reference_session(model).run(None, dict(zip(inputs, values)))
     return _coverage.NodeCase(name, op_type, "", False, model, list(values), list(reference))
 
 
