@@ -29,7 +29,7 @@ import math
 import onnx
 from onnx import helper
 
-from ._graph import _all_names, _elem_types, _unique
+from ._graph_lookup import _all_names, _elem_types, _unique
 from ._onnx_utils import NodeBuilder
 from .exceptions import OnnxModelError
 

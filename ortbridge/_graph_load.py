@@ -1,0 +1,215 @@
+"""A user's model as given: loading and validating it, and what the bridge must know of it.
+
+:func:`load_model` reads a path, bytes or ``onnx.ModelProto`` into a private
+copy; :func:`summarize` lists the inputs, the outputs, the float initializers
+and those a gradient can reach (a static walk over the nodes through which
+gradients flow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from ._graph_lookup import _elem_types
+from ._model_checks import check_loaded
+from ._onnx_utils import FLOAT_TYPES, node_reads, np_dtype
+from .exceptions import OnnxModelError, OnnxTypeError
+
+# Inputs (by position) through which no gradient flows, per op type.
+_NON_DIFFERENTIABLE_SLOTS = {
+    "BatchNormalization": {3, 4},
+    "Dropout": {1, 2},
+    "Reshape": {1},
+    "Expand": {1},
+    "Tile": {1},
+    "Slice": {1, 2, 3, 4},
+    "Gather": {1},
+    "GatherElements": {1},
+    "GatherND": {1},
+    "ScatterElements": {1},
+    "ScatterND": {1},
+    "Pad": {1, 3},
+    "Resize": {1, 2, 3},
+    "Upsample": {1},
+    "Unsqueeze": {1},
+    "Squeeze": {1},
+    "ReduceSum": {1},
+    "ReduceMean": {1},
+    "ReduceMax": {1},
+    "ReduceMin": {1},
+    "ReduceProd": {1},
+    "ReduceL2": {1},
+    "ReduceLogSumExp": {1},
+    "TopK": {1},
+    "Split": {1},
+    "Where": {0},
+    "Clip": {1, 2},
+    "Trilu": {1},
+    "CumSum": {1},
+}
+# Ops whose outputs carry no gradient at all.
+_NON_DIFFERENTIABLE_OPS = frozenset(
+    {
+        "Shape",
+        "Size",
+        "Equal",
+        "Less",
+        "Greater",
+        "LessOrEqual",
+        "GreaterOrEqual",
+        "Not",
+        "And",
+        "Or",
+        "Xor",
+        "ArgMax",
+        "ArgMin",
+        "NonZero",
+        "Range",
+        "ConstantOfShape",
+        "Round",
+        "Sign",
+        "Floor",
+        "Ceil",
+        "IsNaN",
+        "IsInf",
+        "RandomNormalLike",
+        "RandomUniformLike",
+        "Bernoulli",
+        "EyeLike",
+        "OneHot",
+    }
+)
+
+
+def load_model(model) -> onnx.ModelProto:
+    """Return a private copy of ``model`` (a path, bytes or ``onnx.ModelProto``)."""
+    if isinstance(model, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        return check_loaded(copy, "the model given")
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        return _parse(bytes(model), "the bytes given")
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise OnnxModelError(f"ONNX file {path!r} does not exist")
+        try:
+            # onnx.load also reads weights stored as external data beside the file.
+            loaded = onnx.load(path)
+        except Exception as exc:
+            raise OnnxModelError(f"file {path!r} is not a valid ONNX model: {exc}") from exc
+        return check_loaded(loaded, f"file {path!r}")
+    raise OnnxTypeError(
+        f"model must be a path, bytes or onnx.ModelProto, got {type(model).__name__}"
+    )
+
+
+def _parse(data: bytes, where: str) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception as exc:  # protobuf raises its own DecodeError
+        raise OnnxModelError(f"{where} is not a valid ONNX model: {exc}") from exc
+    return check_loaded(model, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Name, element type and shape (ints or symbolic names, None if unknown)."""
+
+    name: str
+    elem_type: int
+    shape: tuple | None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np_dtype(self.elem_type)
+
+
+def _spec(value_info: onnx.ValueInfoProto) -> TensorSpec:
+    tensor_type = value_info.type.tensor_type
+    shape = None
+    if tensor_type.HasField("shape"):
+        shape = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in tensor_type.shape.dim
+        )
+    return TensorSpec(value_info.name, tensor_type.elem_type, shape)
+
+
+@dataclasses.dataclass
+class GraphSummary:
+    """What the bridge needs to know about a user's graph."""
+
+    name: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    float_initializers: dict[str, np.ndarray]
+    differentiable_initializers: set[str]
+
+
+def summarize(model: onnx.ModelProto) -> GraphSummary:
+    """Inputs, outputs and float initializers of a normalised model."""
+    graph = model.graph
+    init_names = {init.name for init in graph.initializer}
+    inputs = [_spec(i) for i in graph.input if i.name not in init_names]
+    outputs = [_spec(o) for o in graph.output]
+    floats = {
+        init.name: numpy_helper.to_array(init)
+        for init in graph.initializer
+        if init.data_type in FLOAT_TYPES
+    }
+    return GraphSummary(
+        name=graph.name or "onnx_graph",
+        inputs=inputs,
+        outputs=outputs,
+        float_initializers=floats,
+        differentiable_initializers=_gradient_reachable(model, set(floats)),
+    )
+
+
+def _gradient_reachable(model: onnx.ModelProto, candidates: set[str]) -> set[str]:
+    """Candidates from which a gradient path leads to a float graph output."""
+    types = _elem_types(model)
+
+    def is_float(name):
+        return types.get(name, TensorProto.FLOAT) in FLOAT_TYPES
+
+    needed = {o.name for o in model.graph.output if is_float(o.name)}
+    # Walk nodes backwards: a node whose float output needs a gradient passes
+    # the need on to its differentiable float inputs.
+    for node in reversed(_topological(model.graph)):
+        if node.op_type in _NON_DIFFERENTIABLE_OPS:
+            continue
+        if not any(out in needed for out in node.output):
+            continue
+        skip = _NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ())
+        for pos, name in enumerate(node.input):
+            if name and pos not in skip and is_float(name):
+                needed.add(name)
+        # A Loop, Scan or If body reads outer tensors without listing them as
+        # inputs (nn.EmbeddingBag's weight, read inside its Loop).
+        explicit = set(node.input)
+        needed.update(n for n in node_reads(node) if n not in explicit and is_float(n))
+    return candidates & needed
+
+
+def _topological(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """Nodes in an order where producers come first (exporters usually comply)."""
+    produced = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    remaining, ordered = list(graph.node), []
+    while remaining:
+        ready = [n for n in remaining if all(i in produced for i in n.input)]
+        if not ready:  # inputs from an outer scope or a cycle: keep file order
+            ordered.extend(remaining)
+            break
+        for node in ready:
+            produced.update(node.output)
+        ordered.extend(ready)
+        remaining = [n for n in remaining if all(n is not r for r in ready)]
+    return ordered
