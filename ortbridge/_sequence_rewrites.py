@@ -28,6 +28,9 @@ forward values exactly:
 Anything else (a sequence read in a subgraph, a non-constant position, a
 graph output that is a sequence) is left as it is; onnx-ad then refuses it by
 name where it lies on a gradient path.
+
+Both rewrites are methods of one ``_Rewriter``, sharing its state (the names
+taken, the constants, the inferred types): they stay in one module for that.
 """
 
 from __future__ import annotations

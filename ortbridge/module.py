@@ -1,4 +1,11 @@
-"""``OnnxModule``: an ONNX graph as a trainable ``torch.nn.Module``."""
+"""``OnnxModule``: an ONNX graph as a trainable ``torch.nn.Module``.
+
+One public class whose methods are its API, a thin shell over plain code:
+checking a call against the graph (:mod:`._call_checks`), where the weights
+live in the module tree (:mod:`._module_weights`), the prepared graph and its
+engine (:mod:`._bridge`). ``OnnxModule`` and ``OnnxWeights`` stay here, where
+pickles find them.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +21,19 @@ from torch import nn
 
 from . import _engines, _graph
 from ._bridge import Bridge
+from ._call_checks import (
+    TORCH_DTYPES,
+    bind,
+    check_input,
+    check_shared_dims,
+    check_weights,
+    shape_str,
+    shared_dims,
+    torch_dtype,
+)
 from ._function import function_name, make_function
-from .exceptions import NotDifferentiableError, OnnxInputError, OnnxTypeError, OrtBridgeError
+from ._module_weights import attribute_path, choose_trainable, fetch, weights_repr
+from .exceptions import NotDifferentiableError, OnnxInputError
 
 if TYPE_CHECKING:  # onnxruntime is imported when a session is made, not before
     import onnxruntime
@@ -107,7 +125,7 @@ class OnnxModule(nn.Module):
         self._providers = providers
         self._session_options = session_options
         self._backend = backend
-        chosen = _choose_trainable(trainable, summary)
+        chosen = choose_trainable(trainable, summary)
         self._onnx_names: dict[str, tuple[str, ...]] = {}
         for name, array in summary.float_initializers.items():
             tensor = torch.from_numpy(np.array(array, copy=True))
@@ -120,7 +138,7 @@ class OnnxModule(nn.Module):
     # -- construction --------------------------------------------------------
 
     def _register_weight(self, name: str, tensor: torch.Tensor, trainable: bool) -> None:
-        path = _attribute_path(self, name)
+        path = attribute_path(self, name)
         owner = self
         for part in path[:-1]:
             child = owner._modules.get(part)
@@ -136,17 +154,11 @@ class OnnxModule(nn.Module):
 
     def _build_bridge(self, prepared: onnx.ModelProto | None = None) -> None:
         # Expected dtypes, computed once: forward checks every call against them.
-        self._input_dtypes = [_torch_dtype(spec) for spec in self._summary.inputs]
+        self._input_dtypes = [torch_dtype(spec) for spec in self._summary.inputs]
         floats = self._summary.float_initializers
-        self._weight_dtypes = [_TORCH_DTYPES.get(floats[n].dtype.str) for n in self._weight_names]
+        self._weight_dtypes = [TORCH_DTYPES.get(floats[n].dtype.str) for n in self._weight_names]
         self._weight_shapes = [floats[n].shape for n in self._weight_names]
-        # Symbolic dimensions two inputs share: their sizes must agree at a call.
-        where: dict[str, list] = {}
-        for i, spec in enumerate(self._summary.inputs):
-            for axis, dim in enumerate(spec.shape or ()):
-                if isinstance(dim, str):
-                    where.setdefault(dim, []).append((i, axis))
-        self._shared_dims = {d: places for d, places in where.items() if len(places) > 1}
+        self._shared_dims = shared_dims(self._summary.inputs)
         self._bridge = Bridge(
             prepared if prepared is not None else self._summary_model(),
             [s.name for s in self._summary.inputs],
@@ -260,7 +272,7 @@ class OnnxModule(nn.Module):
         n_train = sum(1 for _ in self.named_onnx_parameters())
         lines.append(f"trainable: {n_train} of {len(self._weight_names)} float initializers")
         # Weights held by the module itself (names without a dot): no child shows them.
-        own = _weights_repr(self)
+        own = weights_repr(self)
         return "\n".join(lines + [own] if own else lines)
 
     # -- running -------------------------------------------------------------
@@ -282,7 +294,7 @@ class OnnxModule(nn.Module):
                 slots.append((owner._parameters, owner, self._onnx_names[n][-1]))
             self.__dict__["_weight_slots"] = slots
         return [
-            p if (p := params.get(attr)) is not None else _fetch(owner, attr)
+            p if (p := params.get(attr)) is not None else fetch(owner, attr)
             for params, owner, attr in slots
         ]
 
@@ -300,17 +312,18 @@ class OnnxModule(nn.Module):
         return self._run(args, kwargs)
 
     def _run(self, args, kwargs):
-        inputs = self._bind(args, kwargs)
+        specs = self._summary.inputs
+        inputs = bind(specs, self._summary.name, args, kwargs)
         weights = self._weights()
-        self._check_weights(weights)
+        check_weights(self._weight_names, self._weight_dtypes, self._weight_shapes, weights)
         # A graph with neither weights nor inputs (constants only) runs on the CPU.
         device = weights[0].device if weights else inputs[0].device if inputs else _CPU
         inputs = [
-            self._check_input(spec, dtype, t, device)
-            for spec, dtype, t in zip(self._summary.inputs, self._input_dtypes, inputs)
+            check_input(spec, dtype, t, device)
+            for spec, dtype, t in zip(specs, self._input_dtypes, inputs)
         ]
         if self._shared_dims:
-            self._check_shared_dims(inputs)
+            check_shared_dims(specs, self._shared_dims, inputs)
         tensors = inputs + weights
         mode = _graph.TRAIN if self.training else _graph.EVAL
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -318,89 +331,6 @@ class OnnxModule(nn.Module):
         else:
             outputs = self._bridge.run_inference(mode, tensors, device)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
-
-    def _bind(self, args, kwargs) -> list[torch.Tensor]:
-        specs = self._summary.inputs
-        if not kwargs and len(args) == len(specs) and all(a is not None for a in args):
-            return list(args)
-        names = [s.name for s in specs]
-        if len(args) > len(specs):
-            raise OnnxInputError(
-                f"graph {self._summary.name!r} takes {len(specs)} input(s) {names}, "
-                f"got {len(args)} positional argument(s)"
-            )
-        bound = list(args) + [None] * (len(specs) - len(args))
-        for key, value in kwargs.items():
-            if key not in names:
-                raise OnnxInputError(f"unknown input {key!r}; the graph's inputs are {names}")
-            pos = names.index(key)
-            if bound[pos] is not None:
-                raise OnnxInputError(f"input {key!r} given twice")
-            bound[pos] = value
-        missing = [n for n, v in zip(names, bound) if v is None]
-        if missing:
-            raise OnnxInputError(
-                f"missing input(s) {missing}: the graph takes {len(specs)} input(s) {names}"
-            )
-        return bound
-
-    def _check_input(self, spec, expected, tensor, device) -> torch.Tensor:
-        if not isinstance(tensor, torch.Tensor):
-            raise OnnxTypeError(
-                f"input {spec.name!r} must be a torch.Tensor, got {type(tensor).__name__}"
-            )
-        if tensor.dtype != expected:
-            if tensor.is_floating_point() and expected.is_floating_point and _autocasting(tensor):
-                tensor = tensor.to(expected)
-            else:
-                raise OnnxTypeError(f"input {spec.name!r} must be {expected}, got {tensor.dtype}")
-        if spec.shape is not None:
-            if tensor.dim() != len(spec.shape) or any(
-                isinstance(d, int) and d > 0 and d != s for d, s in zip(spec.shape, tensor.shape)
-            ):
-                raise OnnxInputError(
-                    f"input {spec.name!r} must have shape {_shape_str(spec.shape)}, "
-                    f"got {tuple(tensor.shape)}"
-                )
-        if tensor.device != device:
-            raise OnnxInputError(
-                f"input {spec.name!r} is on {tensor.device} but the module is on {device}: "
-                f"move one of them (module.to(device) or tensor.to(device))"
-            )
-        return tensor.contiguous()
-
-    def _check_shared_dims(self, inputs) -> None:
-        specs = self._summary.inputs
-        for dim, places in self._shared_dims.items():
-            sizes = {(i, axis): inputs[i].shape[axis] for i, axis in places}
-            if len(set(sizes.values())) > 1:
-                shown = ", ".join(
-                    f"{specs[i].name!r} axis {axis} is {size}" for (i, axis), size in sizes.items()
-                )
-                raise OnnxInputError(
-                    f"dimension {dim!r} must have one size across the inputs: {shown}"
-                )
-
-    def _check_weights(self, weights) -> None:
-        if [w.dtype for w in weights] == self._weight_dtypes and [
-            w.shape for w in weights
-        ] == self._weight_shapes:  # the usual case, in two tests
-            return
-        for name, expected, shape, tensor in zip(
-            self._weight_names, self._weight_dtypes, self._weight_shapes, weights
-        ):
-            if expected is not None and tensor.dtype != expected:
-                raise OrtBridgeError(
-                    f"weight {name!r} is {tensor.dtype} but the ONNX graph computes in "
-                    f"{expected}: .double()/.half() cannot change an ONNX graph's types; "
-                    "convert the ONNX model itself, or use torch.autocast for inputs"
-                )
-            if tuple(tensor.shape) != tuple(shape):
-                raise OnnxInputError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, but the ONNX graph's "
-                    f"initializer {name!r} has shape {tuple(shape)}: a weight may change its "
-                    "values, not its shape"
-                )
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # torch's BatchNorm state dicts hold ``num_batches_tracked``, which the
@@ -445,16 +375,7 @@ class OnnxWeights(nn.Module):
     """
 
     def extra_repr(self) -> str:
-        return _weights_repr(self)
-
-
-def _weights_repr(module: nn.Module) -> str:
-    """The parameters and buffers ``module`` holds itself, with their shapes."""
-    shown = [f"{name}: {tuple(p.shape)}" for name, p in module._parameters.items() if p is not None]
-    shown += [
-        f"{name}: {tuple(b.shape)} frozen" for name, b in module._buffers.items() if b is not None
-    ]
-    return ", ".join(shown)
+        return weights_repr(self)
 
 
 _UNTRACED: list = []
@@ -497,89 +418,10 @@ def _options_from_state(cls, values):
     return options
 
 
-def _fetch(owner: nn.Module, attr: str) -> torch.Tensor:
-    tensor = owner._parameters.get(attr)
-    if tensor is None:
-        tensor = owner._buffers.get(attr)
-    return tensor if tensor is not None else getattr(owner, attr)
-
-
-_TORCH_DTYPES = {
-    np.dtype(np.float32).str: torch.float32,
-    np.dtype(np.float64).str: torch.float64,
-    np.dtype(np.float16).str: torch.float16,
-}
-
-
-def _torch_dtype(spec) -> torch.dtype:
-    try:
-        return torch.from_numpy(np.empty(0, dtype=spec.dtype)).dtype
-    except TypeError as exc:
-        raise OnnxTypeError(f"input {spec.name!r} has a type torch does not support") from exc
-
-
-def _autocasting(tensor: torch.Tensor) -> bool:
-    return torch.is_autocast_enabled(tensor.device.type)
-
-
-def _shape_str(shape) -> str:
-    return "(" + ", ".join(str(d) if d is not None else "?" for d in shape) + ")"
-
-
 def _spec_str(spec) -> str:
     try:
         dtype = str(spec.dtype)
     except (KeyError, TypeError, ValueError):  # not a tensor (a sequence, a map)
         dtype = "?"
-    shape = "(unknown shape)" if spec.shape is None else _shape_str(spec.shape)
+    shape = "(unknown shape)" if spec.shape is None else shape_str(spec.shape)
     return f"{dtype} {shape}"
-
-
-def _attribute_path(module: nn.Module, name: str) -> tuple[str, ...]:
-    """Where initializer ``name`` lives in the module tree (dots make submodules)."""
-    parts = tuple(name.split("."))
-    if all(p.isidentifier() or p.isdigit() for p in parts) and not _clashes(module, parts):
-        return parts
-    flat = "onnx_" + "".join(c if c.isalnum() else "_" for c in name)
-    while hasattr(module, flat) or flat in module._parameters or flat in module._buffers:
-        flat += "_"
-    return (flat,)
-
-
-def _clashes(module: nn.Module, parts) -> bool:
-    owner = module
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        if part in owner._parameters or part in owner._buffers:
-            return True
-        child = owner._modules.get(part)
-        if child is None:
-            return hasattr(owner, part)
-        if last:
-            return True
-        owner = child
-    return False
-
-
-def _choose_trainable(trainable, summary) -> set[str]:
-    floats = summary.float_initializers
-    if trainable is None:
-        return set(summary.differentiable_initializers)
-    if callable(trainable):
-        return {name for name, array in floats.items() if trainable(name, array)}
-    if isinstance(trainable, str):
-        trainable = [trainable]
-    try:
-        names = list(trainable)
-    except TypeError:
-        raise OnnxTypeError(
-            "trainable must be None, an iterable of initializer names or a callable "
-            f"(name, array) -> bool, got {type(trainable).__name__}"
-        ) from None
-    unknown = [n for n in names if n not in floats]
-    if unknown:
-        raise OnnxInputError(
-            f"unknown trainable initializer(s) {unknown}; the float initializers are "
-            f"{sorted(floats)}"
-        )
-    return set(names)

@@ -1,0 +1,83 @@
+"""Where an :class:`~ortbridge.OnnxModule` keeps its weights.
+
+Each float initializer becomes a parameter (trainable) or a buffer (frozen),
+at the place its name gives in the module tree (``"fc.weight"``: submodule
+``fc``, attribute ``weight``), a flat ``onnx_`` name where that cannot be.
+The holders (``OnnxWeights``, in :mod:`ortbridge.module`, where pickles find
+it) print the weights they hold with :func:`weights_repr`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .exceptions import OnnxInputError, OnnxTypeError
+
+
+def attribute_path(module: nn.Module, name: str) -> tuple[str, ...]:
+    """Where initializer ``name`` lives in the module tree (dots make submodules)."""
+    parts = tuple(name.split("."))
+    if all(p.isidentifier() or p.isdigit() for p in parts) and not _clashes(module, parts):
+        return parts
+    flat = "onnx_" + "".join(c if c.isalnum() else "_" for c in name)
+    while hasattr(module, flat) or flat in module._parameters or flat in module._buffers:
+        flat += "_"
+    return (flat,)
+
+
+def _clashes(module: nn.Module, parts) -> bool:
+    owner = module
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part in owner._parameters or part in owner._buffers:
+            return True
+        child = owner._modules.get(part)
+        if child is None:
+            return hasattr(owner, part)
+        if last:
+            return True
+        owner = child
+    return False
+
+
+def choose_trainable(trainable, summary) -> set[str]:
+    """The initializers ``trainable`` selects (None: every one a gradient reaches)."""
+    floats = summary.float_initializers
+    if trainable is None:
+        return set(summary.differentiable_initializers)
+    if callable(trainable):
+        return {name for name, array in floats.items() if trainable(name, array)}
+    if isinstance(trainable, str):
+        trainable = [trainable]
+    try:
+        names = list(trainable)
+    except TypeError:
+        raise OnnxTypeError(
+            "trainable must be None, an iterable of initializer names or a callable "
+            f"(name, array) -> bool, got {type(trainable).__name__}"
+        ) from None
+    unknown = [n for n in names if n not in floats]
+    if unknown:
+        raise OnnxInputError(
+            f"unknown trainable initializer(s) {unknown}; the float initializers are "
+            f"{sorted(floats)}"
+        )
+    return set(names)
+
+
+def fetch(owner: nn.Module, attr: str) -> torch.Tensor:
+    """Weight ``attr`` of ``owner``: a parameter, a buffer, or what a parametrization computes."""
+    tensor = owner._parameters.get(attr)
+    if tensor is None:
+        tensor = owner._buffers.get(attr)
+    return tensor if tensor is not None else getattr(owner, attr)
+
+
+def weights_repr(module: nn.Module) -> str:
+    """The parameters and buffers ``module`` holds itself, with their shapes."""
+    shown = [f"{name}: {tuple(p.shape)}" for name, p in module._parameters.items() if p is not None]
+    shown += [
+        f"{name}: {tuple(b.shape)} frozen" for name, b in module._buffers.items() if b is not None
+    ]
+    return ", ".join(shown)
