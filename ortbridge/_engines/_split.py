@@ -100,18 +100,13 @@ def split(
     graph_inputs = [i.name for i in graph.input]
     seed_set = set(seeds)
     backward_reads = _reads(nodes, backward_idx, live)
-    # A layout op of graph inputs alone (a weight's Transpose) is redone in
-    # the backward rather than saved: torch keeps the weight, not a copy.
-    inputs_only = {i.name for i in graph.input if i.name not in seed_set} | set(inits)
-    redo = {
-        producer[n]
-        for n in backward_reads
-        if n in forward_out
-        and nodes[producer[n]].op_type in _LAYOUT_OPS
-        and all(r in inputs_only for r in node_reads(nodes[producer[n]]))
-    }
-    if redo:
-        backward_idx |= redo
+    # A copy of graph inputs (a weight's Transpose, the zero-interleaved and
+    # padded input a ConvTranspose becomes) is redone in the backward rather
+    # than saved: torch keeps the input, not a copy.
+    redo = _copies_of_inputs(nodes, forward_idx, graph, seed_set, set(inits))
+    wanted = [producer[n] for n in backward_reads if n in forward_out and producer[n] in redo]
+    if wanted:
+        backward_idx |= _ancestors([o for i in wanted for o in nodes[i].output], producer, nodes)
         backward_reads = _reads(nodes, backward_idx, live)
     residuals = [n for n in backward_reads if n in forward_out]
     backward_inputs = [n for n in graph_inputs if n in backward_reads and n not in seed_set]
@@ -162,7 +157,30 @@ def _reads(nodes, node_idx, live) -> list[str]:
     return reads
 
 
-_LAYOUT_OPS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Cast", "Identity"})
+# Ops whose output is a cheap, memory-bound copy or rearrangement of their
+# inputs: recomputing one costs about what saving and reading it back does.
+_COPY_OPS = frozenset(
+    {
+        "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Cast", "Identity", "Flatten",
+        "Pad", "Slice", "Gather", "Concat", "Constant",
+    }
+)  # fmt: skip
+
+
+def _copies_of_inputs(nodes, forward_idx, graph, seeds, inits) -> set[int]:
+    """Forward nodes computing copies of graph inputs through copy ops alone."""
+    sources = {i.name for i in graph.input if i.name not in seeds} | inits
+    found = set()
+    for idx in sorted(forward_idx):  # topological order
+        node = nodes[idx]
+        if (
+            node.op_type in _COPY_OPS
+            and node.domain in ("", "ai.onnx")
+            and all(r in sources for r in node_reads(node))
+        ):
+            found.add(idx)
+            sources.update(o for o in node.output if o)
+    return found
 
 
 def _forward_identities(graph: onnx.GraphProto, keep: set[str]) -> None:
