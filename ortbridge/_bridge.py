@@ -142,7 +142,7 @@ class Bridge:
         if cached is None:
             model = onnx.ModelProto()
             model.CopyFrom(token.reverse)
-            live = [o.name for o in token.split.backward.graph.output]
+            live = token.split.live_adjoints
             outputs = {o.name: o for o in model.graph.output}
             del model.graph.output[:]
             model.graph.output.extend(outputs[name] for name in live)

@@ -410,7 +410,7 @@ class _Built:
             else:
                 feeds.append(residuals[n_masks + k])
         for idx in self.seed_index:
-            feeds.append(grad_outputs[idx].unsqueeze(-1))
+            feeds.append(grad_outputs[idx])
         grads = self._run(
             self.bw_session,
             self.bw_pinning,
@@ -420,7 +420,7 @@ class _Built:
             self._bw_devices,
             "backward",
         )
-        return [g.squeeze(-1) for g in grads]
+        return grads
 
 
 _TORCH_FLOATS = {

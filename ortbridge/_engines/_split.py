@@ -37,6 +37,8 @@ class Split:
     backward_inputs: list[str]
     #: Adjoint outputs that no seed reaches (zero gradients, not computed).
     zero_adjoints: list[str]
+    #: The adjoints the backward returns, in order, as the reverse model names them.
+    live_adjoints: list[str]
 
 
 def _ancestors(targets, producer, nodes) -> set[int]:
@@ -140,7 +142,49 @@ def split(
     extra = [r for r in residuals if r not in primal_outputs]
     fw = model(forward_idx, forward_inputs, list(primal_outputs) + extra)
     bw = model(backward_idx, backward_inputs + residuals + list(seeds), live)
-    return Split(fw, bw, residuals, backward_inputs, zero)
+    _drop_seed_axis(bw, list(seeds))
+    return Split(fw, bw, residuals, backward_inputs, zero, live)
+
+
+def _drop_seed_axis(model: onnx.ModelProto, seeds: list[str]) -> None:
+    """The backward takes output gradients and returns gradients without the
+    trailing seed axis (size 1): the axis is added and removed inside the
+    graph (views for onnxruntime), not by a torch call per tensor each step."""
+    graph = model.graph
+    taken = {n for node in graph.node for n in [*node.input, *node.output]}
+    taken |= {v.name for v in [*graph.input, *graph.output, *graph.initializer]}
+
+    def fresh(stem):
+        name, k = stem, 0
+        while name in taken:
+            k += 1
+            name = f"{stem}_{k}"
+        taken.add(name)
+        return name
+
+    axis = fresh("seed_axis")
+    head = [helper.make_node("Constant", [], [axis], value_ints=[-1])]
+    for vi in graph.input:
+        if vi.name in seeds:
+            outer = fresh(f"{vi.name}_value")
+            head.append(helper.make_node("Unsqueeze", [outer, axis], [vi.name]))
+            vi.name = outer
+            _drop_last_dim(vi)
+    tail = []
+    for vi in graph.output:
+        inner = vi.name
+        vi.name = fresh(f"{inner}_value")
+        tail.append(helper.make_node("Squeeze", [inner, axis], [vi.name]))
+        _drop_last_dim(vi)
+    nodes = head + list(graph.node) + tail
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _drop_last_dim(vi: onnx.ValueInfoProto) -> None:
+    tensor = vi.type.tensor_type
+    if tensor.HasField("shape") and len(tensor.shape.dim):
+        del tensor.shape.dim[-1]
 
 
 def _reads(nodes, node_idx, live) -> list[str]:
