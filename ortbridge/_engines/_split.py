@@ -22,6 +22,7 @@ import onnx
 import onnx.numpy_helper
 from onnx import helper
 
+from .._graph_lookup import _all_names, _unique
 from .._onnx_utils import node_reads
 
 
@@ -151,16 +152,10 @@ def _drop_seed_axis(model: onnx.ModelProto, seeds: list[str]) -> None:
     trailing seed axis (size 1): the axis is added and removed inside the
     graph (views for onnxruntime), not by a torch call per tensor each step."""
     graph = model.graph
-    taken = {n for node in graph.node for n in [*node.input, *node.output]}
-    taken |= {v.name for v in [*graph.input, *graph.output, *graph.initializer]}
+    taken = _all_names(graph)
 
     def fresh(stem):
-        name, k = stem, 0
-        while name in taken:
-            k += 1
-            name = f"{stem}_{k}"
-        taken.add(name)
-        return name
+        return _unique(stem, taken)
 
     axis = fresh("seed_axis")
     head = [helper.make_node("Constant", [], [axis], value_ints=[-1])]
