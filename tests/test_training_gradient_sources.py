@@ -222,7 +222,7 @@ def test_builder_and_onnx_ad_compute_the_same_gradients(dtype):
 
 
 def test_simplified_reverse_graph_computes_the_same(monkeypatch):
-    """The view rewrites of :mod:`._simplify` change shapes only, never a value."""
+    """The view rewrites (:mod:`ortbridge._engines._simplify`) change shapes, never a value."""
     model = _loss_model(np.float64)
     trainable = ["w1", "b1", "w2", "b2"]
     weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}

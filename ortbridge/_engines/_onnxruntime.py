@@ -38,6 +38,7 @@ from ..exceptions import (
 from . import _split, _train_ops
 from ._optimize import optimize_reverse
 from ._rules import own_rules
+from ._simplify import simplify
 
 NAME = "onnxruntime"
 
@@ -307,6 +308,8 @@ class _Built:
         adjoints = [o.name for o in reverse.graph.output][len(m.graph.output) :]
         _fix_seed_axis(reverse)
         optimize_reverse(reverse)
+        if static is not None:  # chains of views as one view: fewer nodes to dispatch
+            simplify(reverse)
         self.reverse = reverse
         primal_outputs = user_outputs + stat_outputs
         parts = _split.split(reverse, primal_outputs, seeds, adjoints)

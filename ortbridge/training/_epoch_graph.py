@@ -26,7 +26,7 @@ microsecond of dispatch whatever its size:
   so that the backward's shape computations (``Shape``,
   ``BroadcastGradientArgs``, ``Reshape``) fold into constants, a third of the
   nodes (onnxruntime folds the builder's, onnx-ad's graph is built static and
-  its seed axis's views collapsed, :mod:`._simplify`); a shorter last batch
+  its seed axis's views collapsed, :mod:`.._engines._simplify`); a shorter last batch
   runs on a second graph built for its size;
 - the weights are one flat vector, split into views for the forward, and
   their gradients are concatenated, so the update is a handful of nodes
@@ -49,12 +49,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .._engines._simplify import merge_reshapes
 from .._ort_errors import translate
 from .._ort_limits import fit_to_runtime
 from ._gradient import ONNX_AD, gradient_model
 from ._sessions import training_session
 from ._sgd_rule import _Flags, _scalar_names, _scalar_values, _update_nodes
-from ._simplify import merge_reshapes
 
 _P = "ortbridge_epoch/"
 #: Coefficients that depend on the batch (through its sum of sample weights).

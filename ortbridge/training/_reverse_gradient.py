@@ -35,10 +35,10 @@ from .._engines._onnxruntime import (
 )
 from .._engines._optimize import optimize_reverse
 from .._engines._rules import own_rules
+from .._engines._simplify import reshape, simplify
 from .._graph import _all_names, _unique
 from .._onnx_utils import np_dtype
 from ..exceptions import OnnxModelError
-from ._simplify import reshape, simplify
 
 
 def reverse_gradient(model: onnx.ModelProto, loss: str, trainable: list[str]):

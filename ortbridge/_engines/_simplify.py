@@ -1,8 +1,9 @@
 """Fewer nodes in a reverse graph whose shapes are static: chains of views become one.
 
-The training graphs run thousands of small steps (an epoch graph's ``Loop``
-body runs once a batch), and on small models a step's time is mostly the
-dispatch of its nodes, about a microsecond each. onnx-ad's reverse graph
+Used on the onnxruntime engine's graphs built for one input shape and on
+the training package's gradient graphs. Both run many small steps (an epoch
+graph's ``Loop`` body runs once a batch), and on small models a step's time
+is mostly the dispatch of its nodes, about a microsecond each. onnx-ad's reverse graph
 carries its seed axis (of size 1) through ``Unsqueeze``/``Squeeze``/``Reshape``
 chains, and sums adjoints over axes that have size 1; with static shapes
 both are views of their input:
@@ -34,9 +35,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .._engines._optimize import _const, _shapes
-from .._graph import _all_names, _unique
+from .._graph_lookup import _all_names, _unique
 from .._onnx_utils import node_reads
+from ._optimize import _const, _shapes
 
 _VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 #: Rounds of lifting views (one lifts a chain; another may find more once collapsed).
