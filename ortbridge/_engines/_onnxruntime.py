@@ -38,7 +38,7 @@ from ..exceptions import (
 from . import _split, _train_ops
 from ._optimize import optimize_reverse
 from ._rules import own_rules
-from ._simplify import simplify
+from ._simplify import collapse_views, simplify
 
 NAME = "onnxruntime"
 
@@ -313,6 +313,8 @@ class _Built:
         self.reverse = reverse
         primal_outputs = user_outputs + stat_outputs
         parts = _split.split(reverse, primal_outputs, seeds, adjoints)
+        if static is not None:  # the seed axis added and dropped: views that collapse
+            collapse_views(parts.backward)
         live = set(adjoints) - set(parts.zero_adjoints)
         position = {n: i for i, n in enumerate(feed_names)}
         self.grad_slots = [position[t] for t, a in zip(targets, adjoints) if a in live]
