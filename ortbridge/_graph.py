@@ -25,7 +25,6 @@ from ._graph_batch_norm import (
     values_per_channel,
 )
 from ._graph_load import (
-    _NON_DIFFERENTIABLE_SLOTS,  # noqa: F401 - the onnxruntime engine reads it from here
     GraphSummary,
     TensorSpec,
     load_model,

@@ -36,7 +36,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ._graph import _all_names, load_model
+from ._graph import load_model
+from ._graph_lookup import _all_names
 from ._loss_nodes import elementwise_loss
 from ._onnx_utils import FLOAT_TYPES, np_dtype
 from ._ort_limits import fit_to_runtime

@@ -42,7 +42,7 @@ def builder_avoids(model: onnx.ModelProto) -> str | None:
 def onnxruntime_engine_available() -> bool:
     try:
         _ort.runtime()
-        from ._onnxruntime import onnx_ad
+        from ._reverse_prep import onnx_ad
 
         onnx_ad()
     except MissingDependencyError:
@@ -59,7 +59,7 @@ def resolve(backend: str, model: onnx.ModelProto) -> tuple[str, str]:
         return TRAINING_AGENT, "asked for"
     if backend == ONNXRUNTIME:
         _ort.runtime()
-        from ._onnxruntime import onnx_ad
+        from ._reverse_prep import onnx_ad
 
         onnx_ad()
         return ONNXRUNTIME, "asked for"

@@ -55,7 +55,7 @@ class _Facts:
     """What the entries read about a graph: element types, consumers, opset."""
 
     def __init__(self, model: onnx.ModelProto):
-        from .._graph import _infer
+        from .._graph_lookup import _infer
 
         self.opset = max(
             [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] or [1]

@@ -33,7 +33,7 @@ def rewrite(model: onnx.ModelProto) -> onnx.ModelProto:
     if not any(_wanted(node) for node in model.graph.node):
         return model
     from .._ad_rewrites import _Graph, _reinferred
-    from .._graph import _all_names, _unique
+    from .._graph_lookup import _all_names, _unique
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)

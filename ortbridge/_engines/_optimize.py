@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .._graph import _all_names, _unique
+from .._graph_lookup import _all_names, _unique
 
 
 def optimize_reverse(model: onnx.ModelProto) -> None:

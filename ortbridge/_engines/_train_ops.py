@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .._graph import _all_names, _infer, _unique
+from .._graph_lookup import _all_names, _infer, _unique
 from .._onnx_utils import NodeBuilder
 from ..exceptions import NotDifferentiableError
 

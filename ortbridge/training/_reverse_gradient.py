@@ -25,18 +25,18 @@ import torch
 from onnx import helper, numpy_helper
 
 from .._engines import _train_ops
-from .._engines._onnxruntime import (
-    _declare_outputs,
-    _fix_seed_axis,
-    _not_differentiable,
-    _prepare,
-    _refuse_known_wrong,
-    onnx_ad,
-)
 from .._engines._optimize import optimize_reverse
+from .._engines._reverse_prep import (
+    declare_outputs,
+    fix_seed_axis,
+    not_differentiable,
+    onnx_ad,
+    prepare,
+    refuse_known_wrong,
+)
 from .._engines._rules import own_rules
 from .._engines._simplify import reshape, simplify
-from .._graph import _all_names, _unique
+from .._graph_lookup import _all_names, _unique
 from .._onnx_utils import np_dtype
 from ..exceptions import OnnxModelError
 
@@ -56,18 +56,18 @@ def reverse_gradient(model: onnx.ModelProto, loss: str, trainable: list[str]):
     _dropout_off_unless_training(m)
     _, masks = _train_ops.lower_training_nodes(m, [])
     mask_inputs = {mask.name: (_masked(m, mask.name), mask) for mask in masks}
-    _prepare(m)
-    _declare_outputs(m)
-    _refuse_known_wrong(m, trainable, [loss])
+    prepare(m)
+    declare_outputs(m)
+    refuse_known_wrong(m, trainable, [loss])
     n_inputs = len(m.graph.input)
     try:
         with own_rules():
             reverse = ad.reverse(m, inputs=list(trainable), outputs=[loss], layout="onnx")
     except Exception as exc:
-        raise _not_differentiable(exc, m) from exc
+        raise not_differentiable(exc, m) from exc
     seed_input = reverse.graph.input[n_inputs].name
     adjoints = [o.name for o in reverse.graph.output][1:]
-    _fix_seed_axis(reverse)
+    fix_seed_axis(reverse)
     optimize_reverse(reverse)
     graph = reverse.graph
     taken = _all_names(graph)
