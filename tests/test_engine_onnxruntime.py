@@ -167,6 +167,31 @@ def test_backward_keeps_no_copy_of_an_input():
 
 
 @needs_engine
+@pytest.mark.parametrize(
+    ("c_in", "stride", "padding", "batch"), [(1, 1, 0, 4), (3, 2, 1, 5), (4, 1, 2, 1), (2, 3, 1, 3)]
+)
+def test_conv_weight_gradient_by_im2col_matches_torch(c_in, stride, padding, batch):
+    """The weight gradient onnx-ad writes as a Conv over transposed tensors runs as
+    im2col and a batched MatMul (``_engines/_conv_grad.py``): same gradients as torch."""
+    torch.manual_seed(c_in)
+    model = nn.Sequential(
+        nn.Conv2d(c_in, 5, 3, stride=stride, padding=padding), nn.Tanh(), nn.Conv2d(5, 2, 2)
+    )  # float32: onnxruntime has no float64 Conv on the CPU
+    x = torch.randn(batch, c_in, 11, 9)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    layer(x).sum().backward()
+    model(x).sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(layer.get_parameter(name).grad, param.grad, rtol=1e-5, atol=1e-5)
+    graph = layer._bridge.gradient_graph("train", [False, *[True] * 4], x.device, [x])
+    built = graph.static_built([x])
+    ops = [(n.op_type, n.output[0]) for n in built.split.backward.graph.node]
+    # A batch of one swaps a unit axis, a view: nothing to rewrite then.
+    rewritten = sum(1 for op, out in ops if op == "Conv" and out.endswith("/cols"))
+    assert rewritten == (2 if batch > 1 else 0), ops
+
+
+@needs_engine
 def test_first_shapes_get_graphs_of_their_own_then_the_generic_one_runs():
     layer = OnnxModule(_tanh_model(), backend=ORT)
     w = layer.onnx_weight("w").detach().clone().requires_grad_()

@@ -31,6 +31,7 @@ from ..exceptions import (
     OrtBridgeError,
 )
 from . import _split, _train_ops
+from ._conv_grad import conv_weight_gradients
 from ._optimize import optimize_reverse
 from ._reverse_prep import (
     STATIC_HINT,
@@ -245,7 +246,10 @@ class _Built:
         self.reverse = reverse
         primal_outputs = user_outputs + stat_outputs
         parts = _split.split(reverse, primal_outputs, seeds, adjoints)
-        if static is not None:  # the seed axis added and dropped: views that collapse
+        if static is not None:
+            conv_weight_gradients(parts.backward)
+            # The seed axis added and dropped: views that collapse (and what
+            # the rewrites above left unread goes).
             collapse_views(parts.backward)
         live = set(adjoints) - set(parts.zero_adjoints)
         position = {n: i for i, n in enumerate(feed_names)}

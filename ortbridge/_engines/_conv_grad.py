@@ -1,0 +1,156 @@
+"""A 2-D convolution's weight gradient as im2col and one batched MatMul.
+
+onnx-ad writes the weight gradient of ``Conv(X, W)`` as a convolution of the
+input by the output gradient with batch and channels swapped::
+
+    dW' = Conv(Transpose(X, [1, 0, 2, 3]), Transpose(G, [1, 0, 2, 3]))
+
+onnxruntime runs that slowly on the CPU: both Transposes copy whole
+activations through its generic kernel, and the Conv has one huge kernel (the
+output gradient's spatial size) over few outputs. Measured on 2 cores for a
+small CNN's two layers: 2.8 and 1.7 ms, against 1.0 and 0.34 ms for the form
+below, which reads ``X`` and ``G`` where they are:
+
+- ``P = Conv(X, E, group=C_in)``: a depthwise convolution with one-hot
+  kernels ``E`` gathers every window element of ``X`` (im2col without a
+  Gather), ``P[n, (i, a, b), y, x] = X[n, i, a + y*d0, b + x*d1]``;
+- ``dW'[o, (i, a, b)] = sum_n G[n, o, :] @ P[n, (i, a, b), :]^T``: a batched
+  MatMul over the flattened spatial axis, summed over the batch.
+
+Applied to graphs with static shapes only, to group 1 and unit strides of the
+gradient convolution (the forward's dilation 1), and where the batched
+product stays small next to the activations (it holds ``N * C_out * C_in *
+KH * KW`` values).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .._graph_lookup import _all_names, _infer, _unique
+from .._onnx_utils import attr
+from ._optimize import _const, _perm, _shapes
+
+#: The batched product may hold this many times the larger of ``X`` and ``G``.
+_MAX_PRODUCT_RATIO = 4
+
+
+def conv_weight_gradients(model: onnx.ModelProto) -> None:
+    """Rewrite onnx-ad's weight-gradient convolutions of ``model`` in place."""
+    graph = model.graph
+    if not any(n.op_type == "Conv" for n in graph.node):
+        return
+    shapes = _shapes(model)
+    if shapes is None:
+        return
+    types = _infer(model)[0]
+    producer = {o: n for n in graph.node for o in n.output}
+    taken = _all_names(graph)
+    rewritten = []
+    for node in graph.node:
+        replaced = _rewrite(node, producer, shapes, types, taken)
+        rewritten.extend(replaced or [node])
+    del graph.node[:]
+    graph.node.extend(rewritten)
+
+
+def _rewrite(node, producer, shapes, types, taken):
+    if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    if attr(node, "group", 1) != 1 or attr(node, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):
+        return None
+    if any(s != 1 for s in attr(node, "strides", [1, 1])):
+        return None
+    x = _batch_first(node.input[0], producer, shapes)
+    g = _filters_source(node.input[1], producer, shapes)
+    out = shapes.get(node.output[0])
+    if x is None or g is None or not _static(out) or len(out) != 4:
+        return None
+    n, c_in, _, _ = shapes[x]
+    g_shape = shapes[g]
+    c_out, (h, w) = g_shape[1], g_shape[2:4]
+    kh, kw = out[2], out[3]
+    if tuple(out[:2]) != (c_in, c_out) or g_shape[0] != n or x not in types:
+        return None
+    product = n * c_out * c_in * kh * kw
+    if product > _MAX_PRODUCT_RATIO * max(np.prod(shapes[x]), np.prod(g_shape)):
+        return None
+    stem = node.output[0]
+    names = [_unique(f"{stem}/{s}", taken) for s in ("onehot", "cols", "cols3", "g3", "prod")]
+    onehot, cols, cols3, g3, prod = names
+    shape_names = [_unique(f"{stem}/{s}", taken) for s in ("cols_shape", "g_shape", "w_shape")]
+    axes, summed, w4 = (_unique(f"{stem}/{s}", taken) for s in ("axes", "summed", "w4"))
+    colst = _unique(f"{stem}/cols_t", taken)
+    # One-hot kernels: output channel (i, a, b) of the depthwise Conv picks X[i] at (a, b).
+    kernels = np.zeros((c_in * kh * kw, 1, kh, kw), dtype=helper.tensor_dtype_to_np_dtype(types[x]))
+    for i in range(c_in):
+        for a in range(kh):
+            for b in range(kw):
+                kernels[(i * kh + a) * kw + b, 0, a, b] = 1
+    return [
+        helper.make_node("Constant", [], [onehot], value=numpy_helper.from_array(kernels)),
+        helper.make_node(
+            "Conv",
+            [x, onehot],
+            [cols],
+            group=c_in,
+            strides=attr(node, "dilations", [1, 1]),
+            pads=attr(node, "pads", [0, 0, 0, 0]),
+        ),
+        _const(shape_names[0], [n, c_in * kh * kw, h * w]),
+        helper.make_node("Reshape", [cols, shape_names[0]], [cols3]),
+        helper.make_node("Transpose", [cols3], [colst], perm=[0, 2, 1]),
+        _const(shape_names[1], [n, c_out, h * w]),
+        helper.make_node("Reshape", [g, shape_names[1]], [g3]),
+        helper.make_node("MatMul", [g3, colst], [prod]),
+        _const(axes, [0]),
+        helper.make_node("ReduceSum", [prod, axes], [summed], keepdims=0),
+        _const(shape_names[2], [c_out, c_in, kh, kw]),
+        helper.make_node("Reshape", [summed, shape_names[2]], [w4]),
+        helper.make_node("Transpose", [w4], [node.output[0]], node.name, perm=[1, 0, 2, 3]),
+    ]
+
+
+def _static(shape) -> bool:
+    return shape is not None and all(isinstance(d, int) and d > 0 for d in shape)
+
+
+def _batch_first(name, producer, shapes):
+    """``X`` (N, C, H, W) where ``name`` is ``X`` with batch and channels swapped."""
+    node = producer.get(name)
+    if node is None:
+        return None
+    source = node.input[0] if node.input else None
+    shape, swapped = shapes.get(source), shapes.get(name)
+    if not _static(shape) or not _static(swapped) or len(shape) != 4:
+        return None
+    if tuple(swapped) != (shape[1], shape[0], *shape[2:]):
+        return None
+    if node.op_type == "Transpose" and _perm(node) == [1, 0, 2, 3]:
+        return source
+    # A swap with a unit axis is a Reshape (see _optimize's unit-axis Transposes).
+    if node.op_type == "Reshape" and 1 in shape[:2]:
+        return source
+    return None
+
+
+def _filters_source(name, producer, shapes):
+    """``G`` (N, C_out, h, w[, 1]) where ``name`` is it as Conv filters (C_out, N, h, w):
+    onnx-ad writes ``Reshape(Transpose(G, [1, 4, 0, 2, 3]))`` with its seed axis last."""
+    reshape = producer.get(name)
+    if reshape is None or reshape.op_type != "Reshape":
+        return None
+    transpose = producer.get(reshape.input[0])
+    if transpose is None or transpose.op_type != "Transpose":
+        return None
+    source = transpose.input[0]
+    shape, filters = shapes.get(source), shapes.get(name)
+    if not _static(shape) or not _static(filters) or len(filters) != 4:
+        return None
+    if _perm(transpose) == [1, 4, 0, 2, 3] and len(shape) == 5 and shape[4] == 1:
+        return source if tuple(filters) == (shape[1], shape[0], *shape[2:4]) else None
+    if _perm(transpose) == [1, 0, 2, 3] and len(shape) == 4:
+        return source if tuple(filters) == (shape[1], shape[0], *shape[2:4]) else None
+    return None
