@@ -438,11 +438,13 @@ def test_average_pool_with_pads_trains_as_torch(count_include_pad):
 
 
 @needs_engine
+@pytest.mark.parametrize("size", [(8, 8), (9, 7)], ids=["even", "odd"])
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
-def test_max_pool_gradient_follows_torch_also_on_ties(ties):
-    # The first maximum of a window in scan order gets the gradient, as in torch.
+def test_max_pool_gradient_follows_torch_also_on_ties(ties, size):
+    """The first maximum of a window in scan order gets the gradient, as in torch;
+    a non-overlapping pool's gradient needs no indices (``_engines/_pool_grad.py``)."""
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.MaxPool2d(2), nn.Flatten())
-    x = torch.randn(4, 2, 8, 8)
+    x = torch.randn(4, 2, *size)
     if ties:
         with torch.no_grad():  # integer weights and inputs: many equal values
             model[0].weight.copy_(torch.randint(-1, 2, model[0].weight.shape).float())
@@ -450,6 +452,9 @@ def test_max_pool_gradient_follows_torch_also_on_ties(ties):
         x = torch.randint(0, 2, x.shape).float()
     layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
     _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [False, True, True], x.device, [x])
+    ops = {n.op_type for n in built.static_built([x]).split.backward.graph.node}
+    assert "ScatterND" not in ops and "SpaceToDepth" in ops, ops
 
 
 def test_reverse_sequence_with_an_empty_sequence_keeps_its_row():

@@ -33,6 +33,7 @@ from ..exceptions import (
 from . import _split, _train_ops
 from ._conv_grad import conv_weight_gradients
 from ._optimize import optimize_reverse
+from ._pool_grad import maxpool_gradients
 from ._reverse_prep import (
     STATIC_HINT,
     declare_outputs,
@@ -248,6 +249,7 @@ class _Built:
         parts = _split.split(reverse, primal_outputs, seeds, adjoints)
         if static is not None:
             conv_weight_gradients(parts.backward)
+            maxpool_gradients(parts.backward)
             # The seed axis added and dropped: views that collapse (and what
             # the rewrites above left unread goes).
             collapse_views(parts.backward)
