@@ -29,9 +29,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .._graph_lookup import _all_names, _infer, _unique
+from .._graph_lookup import _unique
 from .._onnx_utils import attr
-from ._optimize import _const, _perm, _shapes
+from ._optimize import _const, _perm, facts, replace_nodes
 
 #: The batched product may hold this many times the larger of ``X`` and ``G``.
 _MAX_PRODUCT_RATIO = 4
@@ -42,21 +42,13 @@ def conv_weight_gradients(model: onnx.ModelProto) -> None:
     graph = model.graph
     if not any(n.op_type == "Conv" for n in graph.node):
         return
-    shapes = _shapes(model)
-    if shapes is None:
-        return
-    types = _infer(model)[0]
-    producer = {o: n for n in graph.node for o in n.output}
-    taken = _all_names(graph)
-    rewritten = []
-    for node in graph.node:
-        replaced = _rewrite(node, producer, shapes, types, taken)
-        rewritten.extend(replaced or [node])
-    del graph.node[:]
-    graph.node.extend(rewritten)
+    found = facts(model)
+    if found is not None:
+        replace_nodes(graph, lambda node: _rewrite(node, found))
 
 
-def _rewrite(node, producer, shapes, types, taken):
+def _rewrite(node, found):
+    producer, shapes, types, taken = found.producer, found.shapes, found.types, found.taken
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
         return None
     if attr(node, "group", 1) != 1 or attr(node, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):

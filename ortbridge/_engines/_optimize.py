@@ -27,11 +27,13 @@ lets inference see through, for instance, MaxPool's ScatterND backward.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .._graph_lookup import _all_names, _unique
+from .._graph_lookup import _all_names, _infer, _unique
 
 
 def optimize_reverse(model: onnx.ModelProto) -> None:
@@ -249,3 +251,44 @@ def _relu_masks_from_outputs(model: onnx.ModelProto) -> None:
             and _is_zero(node.input[1], constants)
         ):
             node.input[0] = relu_of[node.input[0]]
+
+
+@dataclasses.dataclass
+class Facts:
+    """What a node rewrite of a graph with static shapes reads about the graph."""
+
+    shapes: dict
+    types: dict
+    producer: dict
+    readers: dict
+    inits: dict
+    taken: set
+
+
+def facts(model: onnx.ModelProto) -> Facts | None:
+    """The facts of ``model``'s main graph, None where shape inference fails."""
+    shapes = _shapes(model)
+    if shapes is None:
+        return None
+    graph = model.graph
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    return Facts(
+        shapes,
+        _infer(model)[0],
+        {o: n for n in graph.node for o in n.output},
+        readers,
+        {i.name: i for i in graph.initializer},
+        _all_names(graph),
+    )
+
+
+def replace_nodes(graph: onnx.GraphProto, rewrite) -> None:
+    """Each node of ``graph`` replaced by ``rewrite(node)``'s nodes, where not None."""
+    rewritten = []
+    for node in graph.node:
+        rewritten.extend(rewrite(node) or [node])
+    del graph.node[:]
+    graph.node.extend(rewritten)

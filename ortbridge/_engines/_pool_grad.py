@@ -25,9 +25,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .._graph_lookup import _all_names, _infer, _unique
+from .._graph_lookup import _unique
 from .._onnx_utils import attr
-from ._optimize import _const, _shapes
+from ._optimize import _const, facts, replace_nodes
 
 
 def maxpool_gradients(model: onnx.ModelProto) -> None:
@@ -40,27 +40,15 @@ def maxpool_gradients(model: onnx.ModelProto) -> None:
     }
     if not pools:
         return
-    shapes = _shapes(model)
-    if shapes is None:
-        return
-    types = _infer(model)[0]
-    producer = {o: n for n in graph.node for o in n.output}
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    taken = _all_names(graph)
-    inits = {i.name: i for i in graph.initializer}
-    rewritten = []
-    for node in graph.node:
-        replaced = _rewrite(node, producer, pools, readers, shapes, types, inits, taken)
-        rewritten.extend(replaced or [node])
-    del graph.node[:]
-    graph.node.extend(rewritten)
+    found = facts(model)
+    if found is not None:
+        replace_nodes(graph, lambda node: _rewrite(node, pools, found))
 
 
-def _rewrite(node, producer, pools, readers, shapes, types, inits, taken):
+def _rewrite(node, pools, found):
     """``node`` a ``ScatterND`` of a pool's output gradient to its indices."""
+    producer, readers, shapes = found.producer, found.readers, found.shapes
+    types, inits, taken = found.types, found.inits, found.taken
     if node.op_type != "ScatterND" or len(node.input) != 3:
         return None
     zeros, index, grad = node.input
