@@ -126,6 +126,18 @@ def node_reads(node: onnx.NodeProto) -> list[str]:
     return names
 
 
+def drop_unread_initializers(graph: onnx.GraphProto) -> None:
+    """Remove the initializers no node and no graph output reads (onnxruntime
+    warns about each on stderr when it loads the graph)."""
+    read = {o.name for o in graph.output}
+    for node in graph.node:
+        read.update(node_reads(node))
+    kept = [i for i in graph.initializer if i.name in read]
+    if len(kept) < len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+
+
 def gradient_path(model: onnx.ModelProto, targets, outputs) -> list[onnx.NodeProto]:
     """Nodes between a tensor in ``targets`` and one of ``outputs``, in graph order."""
     nodes = list(model.graph.node)

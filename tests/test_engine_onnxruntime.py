@@ -487,3 +487,18 @@ def test_reverse_sequence_with_an_empty_sequence_keeps_its_row():
     module.eval()
     with torch.no_grad():
         torch.testing.assert_close(module(x, lens), reference(x.detach()))
+
+
+@needs_engine
+def test_rewritten_backward_keeps_no_unread_initializer():
+    """The pool and convolution rewrites leave the index path's constants unread:
+    they are dropped, not loaded (onnxruntime would warn about each)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+    x = torch.randn(3, 1, 10, 10)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    layer(x).sum().backward()
+    built = layer._bridge.gradient_graph("train", [False, True, True], x.device, [x])
+    graph = built.static_built([x]).split.backward.graph
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    assert [i.name for i in graph.initializer if i.name not in read] == []

@@ -23,7 +23,7 @@ import onnx
 import torch
 
 from .. import _ort
-from .._onnx_utils import set_input_shapes
+from .._onnx_utils import drop_unread_initializers, set_input_shapes
 from .._ort_errors import translate
 from .._runtime import _session, from_ortvalues, ort_device, to_ortvalues
 from ..exceptions import (
@@ -253,6 +253,7 @@ class _Built:
             # The seed axis added and dropped: views that collapse (and what
             # the rewrites above left unread goes).
             collapse_views(parts.backward)
+            drop_unread_initializers(parts.backward.graph)
         live = set(adjoints) - set(parts.zero_adjoints)
         position = {n: i for i, n in enumerate(feed_names)}
         self.grad_slots = [position[t] for t, a in zip(targets, adjoints) if a in live]
