@@ -36,6 +36,7 @@ from ._optimize import optimize_reverse
 from ._pool_grad import maxpool_gradients
 from ._reverse_prep import (
     STATIC_HINT,
+    bake,
     declare_outputs,
     fix_seed_axis,
     not_differentiable,
@@ -43,6 +44,7 @@ from ._reverse_prep import (
     prepare,
     refuse_known_wrong,
     refuse_old_ceil_pools,
+    setting_positions,
 )
 from ._rules import own_rules
 from ._simplify import collapse_views, simplify
@@ -87,7 +89,7 @@ class OrtGradientGraph:
         self._settings = []
         baked = {}
         if tensors is not None:
-            for pos in _setting_positions(model, feed_names, targets, self.n_inputs):
+            for pos in setting_positions(model, feed_names, targets, self.n_inputs):
                 t = tensors[pos]
                 baked[feed_names[pos]] = t.detach().cpu().numpy()
                 self._settings.append((pos, t._version, t.data_ptr()))
@@ -209,7 +211,7 @@ class _Built:
         ad = onnx_ad()
         m = onnx.ModelProto()
         m.CopyFrom(model)
-        _bake(m, baked)
+        bake(m, baked)
         if static is not None:
             set_input_shapes(m, {vi.name: shape for vi, shape in zip(m.graph.input, static)})
         n_user = len(m.graph.output)
@@ -372,40 +374,6 @@ _TORCH_FLOATS = {
     onnx.TensorProto.DOUBLE: torch.float64,
     onnx.TensorProto.FLOAT16: torch.float16,
 }
-
-
-def _setting_positions(model, feed_names, targets, n_inputs) -> list[int]:
-    """Feed positions of frozen weights read only at non-differentiable operands."""
-    from .._graph_load import _NON_DIFFERENTIABLE_SLOTS
-
-    readers: dict[str, list] = {}
-    for node in model.graph.node:
-        for slot, name in enumerate(node.input):
-            readers.setdefault(name, []).append((node.op_type, slot))
-    outputs = {o.name for o in model.graph.output}
-    found = []
-    for pos in range(n_inputs, len(feed_names)):
-        name = feed_names[pos]
-        uses = readers.get(name, [])
-        if name in targets or name in outputs or not uses:
-            continue
-        if all(
-            op != "BatchNormalization" and slot in _NON_DIFFERENTIABLE_SLOTS.get(op, ())
-            for op, slot in uses
-        ):
-            found.append(pos)
-    return found
-
-
-def _bake(model: onnx.ModelProto, values: dict) -> None:
-    """Turn the graph inputs ``values`` names into initializers holding those values."""
-    if not values:
-        return
-    kept = [i for i in model.graph.input if i.name not in values]
-    del model.graph.input[:]
-    model.graph.input.extend(kept)
-    for name, value in values.items():
-        model.graph.initializer.append(onnx.numpy_helper.from_array(value, name))
 
 
 def _load(model, part, device, session_options, providers):

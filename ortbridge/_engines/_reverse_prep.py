@@ -6,7 +6,7 @@ both hand onnx-ad a prepared graph: ortbridge's rewrites applied
 (:func:`prepare`), output shapes declared (onnx-ad's seeds need them), nodes
 onnx-ad would differentiate silently wrong refused by name, and onnx-ad's own
 refusals turned into :class:`~ortbridge.exceptions.NotDifferentiableError`
-naming the node.
+naming the node; frozen settings given as weights baked in as constants.
 """
 
 from __future__ import annotations
@@ -166,3 +166,39 @@ def fix_seed_axis(model: onnx.ModelProto) -> None:
             if dim.dim_param == SEED_AXIS:
                 dim.Clear()
                 dim.dim_value = 1
+
+
+def setting_positions(model, feed_names, targets, n_inputs) -> list[int]:
+    """Feed positions of frozen weights read only at non-differentiable operands
+    (axes, pads, scales, a Dropout ratio): onnx-ad needs those constant, so they
+    are baked into the graph (:func:`bake`)."""
+    from .._graph_load import _NON_DIFFERENTIABLE_SLOTS
+
+    readers: dict[str, list] = {}
+    for node in model.graph.node:
+        for slot, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node.op_type, slot))
+    outputs = {o.name for o in model.graph.output}
+    found = []
+    for pos in range(n_inputs, len(feed_names)):
+        name = feed_names[pos]
+        uses = readers.get(name, [])
+        if name in targets or name in outputs or not uses:
+            continue
+        if all(
+            op != "BatchNormalization" and slot in _NON_DIFFERENTIABLE_SLOTS.get(op, ())
+            for op, slot in uses
+        ):
+            found.append(pos)
+    return found
+
+
+def bake(model: onnx.ModelProto, values: dict) -> None:
+    """Turn the graph inputs ``values`` names into initializers holding those values."""
+    if not values:
+        return
+    kept = [i for i in model.graph.input if i.name not in values]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    for name, value in values.items():
+        model.graph.initializer.append(onnx.numpy_helper.from_array(value, name))
