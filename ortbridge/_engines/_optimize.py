@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .._graph_lookup import _all_names, _infer, _unique
+from .._graph_lookup import _all_names, _unique
 
 
 def optimize_reverse(model: onnx.ModelProto) -> None:
@@ -180,10 +180,18 @@ def _summed_batch_product(node, producer, constants, shapes, taken):
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple] | None:
+    inferred = _inferred(model)
+    return None if inferred is None else _shapes_of(inferred)
+
+
+def _inferred(model: onnx.ModelProto) -> onnx.ModelProto | None:
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception:
         return None
+
+
+def _shapes_of(inferred: onnx.ModelProto) -> dict[str, tuple]:
     found = {}
     g = inferred.graph
     for vi in list(g.input) + list(g.value_info) + list(g.output):
@@ -267,17 +275,21 @@ class Facts:
 
 def facts(model: onnx.ModelProto) -> Facts | None:
     """The facts of ``model``'s main graph, None where shape inference fails."""
-    shapes = _shapes(model)
-    if shapes is None:
+    inferred = _inferred(model)  # one inference pass gives shapes and types
+    if inferred is None:
         return None
+    types = {i.name: i.data_type for i in inferred.graph.initializer}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        if vi.type.tensor_type.elem_type:
+            types[vi.name] = vi.type.tensor_type.elem_type
     graph = model.graph
     readers: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
     return Facts(
-        shapes,
-        _infer(model)[0],
+        _shapes_of(inferred),
+        types,
         {o: n for n in graph.node for o in n.output},
         readers,
         {i.name: i for i in graph.initializer},
