@@ -453,8 +453,35 @@ def test_max_pool_gradient_follows_torch_also_on_ties(ties, size):
     layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
     _compare(model, layer, x)
     built = layer._bridge.gradient_graph("train", [False, True, True], x.device, [x])
-    ops = {n.op_type for n in built.static_built([x]).split.backward.graph.node}
-    assert "ScatterND" not in ops and "SpaceToDepth" in ops, ops
+    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    # The rewrite ran: no index scatter, no layout moves, the pool and the tie-break pool.
+    assert "ScatterND" not in ops and "DepthToSpace" not in ops, ops
+    assert ops.count("MaxPool") == 2, ops
+
+
+@needs_engine
+@pytest.mark.parametrize("at", [(2, 2), (2, 3), (3, 2), (3, 3)])
+def test_max_pool_gradient_of_a_window_holding_nan_follows_the_forward(at):
+    """onnxruntime's MaxPool may skip a NaN (torch returns it): the gradient goes
+    where the forward's value came from, or nowhere where that value is NaN (no
+    window-wide tie-break hands it to every position). Other windows as torch."""
+    model = nn.Sequential(nn.MaxPool2d(2), nn.Flatten())
+    x = torch.randn(2, 3, 6, 6)
+    x[1, 2, at[0], at[1]] = float("nan")
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    seed = torch.randn(2, 3 * 9)
+    out = layer(ours)
+    out.backward(seed)
+    model(theirs).backward(seed)
+    window = torch.zeros_like(x, dtype=torch.bool)
+    window[1, 2, 2:4, 2:4] = True
+    torch.testing.assert_close(ours.grad[~window], theirs.grad[~window])
+    value, got = out[1, 22].item(), ours.grad[1, 2, 2:4, 2:4].flatten()
+    expected = torch.zeros(4)
+    if value == value:  # not NaN: the first position holding it
+        expected[(x[1, 2, 2:4, 2:4].flatten() == value).nonzero()[0]] = seed[1, 22]
+    torch.testing.assert_close(got, expected)
 
 
 def test_reverse_sequence_with_an_empty_sequence_keeps_its_row():
