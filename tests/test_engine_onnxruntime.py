@@ -438,25 +438,33 @@ def test_average_pool_with_pads_trains_as_torch(count_include_pad):
 
 
 @needs_engine
+@pytest.mark.parametrize("relu", [False, True], ids=["pool", "relu_pool"])
 @pytest.mark.parametrize("size", [(8, 8), (9, 7)], ids=["even", "odd"])
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
-def test_max_pool_gradient_follows_torch_also_on_ties(ties, size):
+def test_max_pool_gradient_follows_torch_also_on_ties(ties, size, relu):
     """The first maximum of a window in scan order gets the gradient, as in torch;
-    a non-overlapping pool's gradient needs no indices (``_engines/_pool_grad.py``)."""
-    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.MaxPool2d(2), nn.Flatten())
+    a non-overlapping pool's gradient needs no indices (``_engines/_pool_grad.py``),
+    and a ReLU before it is masked at the pooled size."""
+    layers = [nn.Conv2d(2, 3, 3, padding=1), nn.ReLU()] if relu else [nn.Conv2d(2, 3, 3, padding=1)]
+    model = nn.Sequential(*layers, nn.MaxPool2d(2), nn.Flatten())
     x = torch.randn(4, 2, *size)
     if ties:
-        with torch.no_grad():  # integer weights and inputs: many equal values
+        with torch.no_grad():  # integer weights and inputs: many equal values (and zeros)
             model[0].weight.copy_(torch.randint(-1, 2, model[0].weight.shape).float())
             model[0].bias.zero_()
         x = torch.randint(0, 2, x.shape).float()
     layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
     _compare(model, layer, x)
     built = layer._bridge.gradient_graph("train", [False, True, True], x.device, [x])
-    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    nodes = built.static_built([x]).split.backward.graph.node
+    ops = [n.op_type for n in nodes]
     # The rewrite ran: no index scatter, no layout moves, the pool and the tie-break pool.
     assert "ScatterND" not in ops and "DepthToSpace" not in ops, ops
     assert ops.count("MaxPool") == 2, ops
+    if relu:  # the ReLU's mask compares the pooled maximum, not the input
+        pooled = {n.output[0] for n in nodes if n.op_type == "MaxPool"}
+        greater = [n for n in nodes if n.op_type == "Greater"]
+        assert greater and all(n.input[0] in pooled for n in greater), greater
 
 
 @needs_engine

@@ -15,6 +15,10 @@ with every other step elementwise in the input's own layout:
   plain MaxPool finds each window's best score, and only that position takes
   the upsampled output gradient;
 - a ``Slice``/``Pad`` pair leaves rows and columns no window covers at zero.
+- where the pool reads a ReLU's output, the ReLU's backward mask (its output
+  above zero) is applied to the output gradient at the pooled size: at the
+  position that takes the gradient the input equals the window's maximum
+  (the CNN benchmark's step: 0.95x in an A/B run).
 
 The first form of this rewrite split the windows with ``SpaceToDepth`` and
 put them back with ``DepthToSpace``; onnxruntime runs those (and ``Where``)
@@ -24,6 +28,9 @@ backward took 7.5 ms against 5.8 ms now (2 cores, onnxruntime 1.19.2).
 Applied to graphs with static shapes only. onnxruntime's MaxPool may skip a
 NaN that torch would return; the gradient follows the forward's value, and a
 window whose value is NaN gets no gradient (Equal never holds for NaN).
+An infinite or NaN output gradient gives its window's other positions NaN
+(0 times it) where torch gives them 0; ``Where`` would avoid that at 8x the
+cost of the ``Mul``.
 """
 
 from __future__ import annotations
@@ -48,11 +55,16 @@ def maxpool_gradients(model: onnx.ModelProto) -> None:
     if not pools:
         return
     found = facts(model)
-    if found is not None:
-        replace_nodes(graph, lambda node: _rewrite(node, pools, found))
+    if found is None:
+        return
+    gates = _relu_gates(graph, found)
+    gated: dict[str, tuple] = {}
+    replace_nodes(graph, lambda node: _rewrite(node, pools, found, gates, gated))
+    if gated:  # the ReLU's mask now applied inside the pool's gradient: its Mul is a view
+        replace_nodes(graph, lambda node: _ungate(node, gated, found))
 
 
-def _rewrite(node, pools, found):
+def _rewrite(node, pools, found, gates, gated):
     """``node`` a ``ScatterND`` of a pool's output gradient to its indices."""
     producer, readers, shapes = found.producer, found.readers, found.shapes
     types, inits, taken = found.types, found.inits, found.taken
@@ -97,6 +109,21 @@ def _rewrite(node, pools, found):
         _const(g_shape_name, [n, c, h, w]),
         helper.make_node("Reshape", [grad, g_shape_name], [g4]),
     ]
+    gate = gates.get(out)
+    if gate is not None and gate[1] == x:
+        # A ReLU before the pool: its mask at the position that takes the
+        # gradient is the maximum's own (x equals it there), so the output
+        # gradient is masked at the pooled size, not the input's.
+        positive, zero, gated_g = name("positive"), name("zero"), name("gated")
+        positive_f = name("positive_f")
+        nodes += [
+            _tensor(zero, np.array(0, dtype)),
+            helper.make_node("Greater", [pooled, zero], [positive]),
+            helper.make_node("Cast", [positive], [positive_f], to=types[grad]),
+            helper.make_node("Mul", [g4, positive_f], [gated_g]),
+        ]
+        g4 = gated_g
+        gated[gate[0].output[0]] = gate
     # Where each window's maximum sits, as 0/1 in the input's layout.
     spread_max, hit, hit_f = name("max_up"), name("hit"), name("hit_f")
     nodes += _upsample(pooled, spread_max, size, block, name, True, dtype)
@@ -139,6 +166,58 @@ def _rewrite(node, pools, found):
         helper.make_node("Reshape", [spread, target], [out], node.name),
     ]
     return nodes
+
+
+def _relu_gates(graph, found) -> dict:
+    """``{scatter output: (Mul, x, gradient operand)}`` for each ``Mul`` of a pool gradient (read
+    by nothing else, directly or through one view) by ``Cast(Greater(x, 0))``
+    (through views): ReLU's backward where the pool reads the ReLU's output."""
+    producer, readers, shapes = found.producer, found.readers, found.shapes
+    views = ("Reshape", "Identity", "Unsqueeze", "Squeeze")
+
+    def through_views(name):
+        node = producer.get(name)
+        while node is not None and node.op_type in views and readers.get(name, 0) == 1:
+            name = node.input[0]
+            node = producer.get(name)
+        return name
+
+    gates = {}
+    for node in graph.node:
+        if node.op_type != "Mul" or len(node.input) != 2:
+            continue
+        for grad, mask in (node.input, node.input[::-1]):
+            scatter = producer.get(through_views(grad))
+            cast = producer.get(through_views(mask))
+            if scatter is None or scatter.op_type != "ScatterND" or cast is None:
+                continue
+            if readers.get(scatter.output[0], 0) != 1 or cast.op_type != "Cast":
+                continue
+            greater = producer.get(cast.input[0])
+            if greater is None or greater.op_type != "Greater":
+                continue
+            if not _zeros(greater.input[1], producer, found.inits):
+                continue
+            out_shape, grad_shape = shapes.get(node.output[0]), shapes.get(grad)
+            if not _static(out_shape) or not _static(grad_shape):
+                continue
+            if _size(out_shape) != _size(grad_shape) or shapes.get(mask) != out_shape:
+                continue
+            gates[scatter.output[0]] = (node, greater.input[0], grad)
+            break
+    return gates
+
+
+def _ungate(node, gated, found):
+    """The ``Mul`` by the ReLU mask, now applied upstream, as a view of its gradient."""
+    gate = gated.get(node.output[0])
+    if gate is None or node.op_type != "Mul":
+        return None
+    target = _unique(f"{node.output[0]}/shape", found.taken)
+    return [
+        _const(target, list(found.shapes[node.output[0]])),
+        helper.make_node("Reshape", [gate[2], target], [node.output[0]], node.name),
+    ]
 
 
 def _non_overlapping(pool) -> bool:
