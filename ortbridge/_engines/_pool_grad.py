@@ -131,25 +131,28 @@ def _rewrite(node, pools, found, gates, gated):
         helper.make_node("Equal", [source, spread_max], [hit]),
         helper.make_node("Cast", [hit], [hit_f], to=types[grad]),
     ]
-    # Ties: each hit scored by its position (earlier scores higher), and the
-    # window's best score marks the first maximum. A window without a hit (a
-    # NaN) has best 0, raised to 0.5 so that no score matches it.
-    rank, score, best, floor, best_up = (
-        name(s) for s in ("rank", "score", "best", "floor", "best_up")
+    # Ties: each hit scored by its position (earlier scores higher, small
+    # integers), and the window's best score marks the first maximum. With
+    # ``below = max(best - 1, 0)``, ``Relu(score - below)`` is exactly 1 there
+    # and 0 elsewhere, also in a window without a hit (a NaN: best 0): no
+    # second Equal and Cast over the input's size.
+    rank, score, best, one, best_less, below, below_up = (
+        name(s) for s in ("rank", "score", "best", "one", "best_less", "below", "below_up")
     )
-    first, first_f = name("first"), name("first_f")
+    margin, first_f = name("margin"), name("first_f")
     nodes += [
         _tensor(rank, _window_ranks(h, w, block, dtype)),
         helper.make_node("Mul", [hit_f, rank], [score]),
         helper.make_node("MaxPool", [score], [best], kernel_shape=k, strides=k),
-        _tensor(floor, np.array(0.5, dtype)),
-        helper.make_node("Max", [best, floor], [name("best_hit")]),
+        _tensor(one, np.array(1, dtype)),
+        helper.make_node("Sub", [best, one], [best_less]),
+        helper.make_node("Relu", [best_less], [below]),
     ]
-    nodes += _upsample(nodes[-1].output[0], best_up, size, block, name, False, dtype)
+    nodes += _upsample(below, below_up, size, block, name, False, dtype)
     grad_up, spread = name("grad_up"), name("spread")
     nodes += [
-        helper.make_node("Equal", [score, best_up], [first]),
-        helper.make_node("Cast", [first], [first_f], to=types[grad]),
+        helper.make_node("Sub", [score, below_up], [margin]),
+        helper.make_node("Relu", [margin], [first_f]),
     ]
     nodes += _upsample(g4, grad_up, size, block, name, True, dtype)
     nodes.append(helper.make_node("Mul", [first_f, grad_up], [spread]))
