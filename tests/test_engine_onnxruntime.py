@@ -537,3 +537,58 @@ def test_rewritten_backward_keeps_no_unread_initializer():
     graph = built.static_built([x]).split.backward.graph
     read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     assert [i.name for i in graph.initializer if i.name not in read] == []
+
+
+def _softmax_graph(nan_masked: bool):
+    """x (4, 5) -> Softmax -> [Where(IsNaN(y), 0, y)] -> MatMul w (5, 3)."""
+    nodes = [helper.make_node("Softmax", ["x"], ["y"], axis=-1)]
+    read = "y"
+    if nan_masked:  # the exporters' NaN-robust attention: a masked row's output is 0
+        nodes += [
+            helper.make_node("IsNaN", ["y"], ["nan"]),
+            helper.make_node("Where", ["nan", "zero", "y"], ["clean"]),
+        ]
+        read = "clean"
+    nodes.append(helper.make_node("MatMul", [read, "w"], ["out"]))
+    inits = [
+        numpy_helper.from_array(np.zeros((), np.float64), "zero"),
+        numpy_helper.from_array(np.random.default_rng(0).normal(size=(5, 3)), "w"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "softmax",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4, 5])],
+        [helper.make_tensor_value_info("out", TensorProto.DOUBLE, [4, 3])],
+        inits,
+    )
+    return make_model(graph)
+
+
+@needs_engine
+@pytest.mark.parametrize("nan_masked", [False, True], ids=["unmasked", "nan_masked"])
+def test_softmax_masked_row_correction_only_where_a_node_can_mask_it(nan_masked):
+    """A fully masked row (all -inf) is NaN after Softmax. Masked further on, its
+    derivative is 0 (``_engines/_rules.py`` corrects onnx-ad's NaN); where nothing
+    can mask it, torch's softmax backward is NaN too and the costly correction
+    (IsNaN + Where over the output) is not built."""
+    layer = OnnxModule(_softmax_graph(nan_masked), backend=ORT)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    x[2] = float("-inf")
+    ours = x.clone().requires_grad_()
+    seed = torch.randn(4, 3, dtype=torch.float64)
+    layer(ours).backward(seed)
+    w = layer.onnx_weight("w").detach()
+    theirs = x.clone().requires_grad_()
+    y = torch.softmax(theirs, -1)
+    if nan_masked:
+        y = torch.where(torch.isnan(y), 0.0, y)
+    (y @ w).backward(seed)
+    rows = [0, 1, 3]
+    torch.testing.assert_close(ours.grad[rows], theirs.grad[rows])
+    if nan_masked:
+        assert not ours.grad[2].any()
+    else:
+        assert torch.isnan(ours.grad[2]).all() and torch.isnan(theirs.grad[2]).all()
+    built = layer._bridge.gradient_graph("train", [True, False], x.device, [x])
+    ops = {n.op_type for n in built.static_built([x]).split.backward.graph.node}
+    assert ("IsNaN" in ops) == nan_masked, ops

@@ -232,7 +232,7 @@ class _Built:
         n_graph_inputs = len(m.graph.input)
         refuse_known_wrong(m, targets, seeded)
         try:
-            with own_rules():
+            with own_rules(m):
                 reverse = ad.reverse(m, inputs=list(targets), outputs=seeded, layout="onnx")
         except ad.UnsupportedOperator as exc:
             if static is None and STATIC_HINT.search(str(exc)):
