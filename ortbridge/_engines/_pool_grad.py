@@ -172,9 +172,10 @@ def _rewrite(node, pools, found, gates, gated):
 
 
 def _relu_gates(graph, found) -> dict:
-    """``{scatter output: (Mul, x, gradient operand)}`` for each ``Mul`` of a pool gradient (read
-    by nothing else, directly or through one view) by ``Cast(Greater(x, 0))``
-    (through views): ReLU's backward where the pool reads the ReLU's output."""
+    """``{scatter output: (Mul, x, gradient operand)}`` for each ``Mul`` of a pool
+    gradient (read by nothing else, directly or through single-reader views) by
+    ``Cast(Greater(x, 0))`` (through views): ReLU's backward where the pool reads
+    the ReLU's output."""
     producer, readers, shapes = found.producer, found.readers, found.shapes
     views = ("Reshape", "Identity", "Unsqueeze", "Squeeze")
 
