@@ -468,6 +468,28 @@ def test_max_pool_gradient_follows_torch_also_on_ties(ties, size, relu):
 
 
 @needs_engine
+@pytest.mark.parametrize("after", ["conv", "flatten_linear"])
+def test_max_pool_gradient_reads_the_forward_maximum_where_it_is_kept(after):
+    """Where the next layer's weight gradient keeps the pool's output (or its
+    flattened view), the pool's gradient reads it instead of pooling again;
+    ties included, the gradients stay torch's."""
+    if after == "conv":
+        head = [nn.Conv2d(3, 2, 3), nn.Flatten()]
+    else:
+        head = [nn.Flatten(), nn.Linear(48, 2)]
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), *head)
+    with torch.no_grad():  # integer weights and inputs: ties in the windows
+        model[0].weight.copy_(torch.randint(-1, 2, model[0].weight.shape).float())
+        model[0].bias.zero_()
+    x = torch.randint(0, 2, (4, 2, 8, 8)).float()
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [False] + [True] * 4, x.device, [x])
+    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    assert "ScatterND" not in ops and ops.count("MaxPool") == 1, ops  # the tie-break only
+
+
+@needs_engine
 @pytest.mark.parametrize("at", [(2, 2), (2, 3), (3, 2), (3, 3)])
 def test_max_pool_gradient_of_a_window_holding_nan_follows_the_forward(at):
     """onnxruntime's MaxPool may skip a NaN (torch returns it): the gradient goes
@@ -522,6 +544,21 @@ def test_reverse_sequence_with_an_empty_sequence_keeps_its_row():
     module.eval()
     with torch.no_grad():
         torch.testing.assert_close(module(x, lens), reference(x.detach()))
+
+
+@needs_engine
+def test_gather_adjoints_of_an_unbind_are_one_concat():
+    """q, k and v taken out of one in-projection (three Gathers): their adjoints,
+    three scatters into zeros and a Sum, become one Concat; gradients as torch's."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    x = torch.randn(3, 5, 8)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    needs = [True] + [True] * len(list(layer.named_onnx_parameters()))
+    built = layer._bridge.gradient_graph("train", needs, x.device, [x])
+    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    assert "ScatterND" not in ops and "Concat" in ops, ops
 
 
 @needs_engine

@@ -47,6 +47,7 @@ from ._reverse_prep import (
     setting_positions,
 )
 from ._rules import own_rules
+from ._scatter_sums import concat_scatter_sums
 from ._simplify import collapse_views, simplify
 
 NAME = "onnxruntime"
@@ -251,7 +252,8 @@ class _Built:
         parts = _split.split(reverse, primal_outputs, seeds, adjoints)
         if static is not None:
             conv_weight_gradients(parts.backward)
-            maxpool_gradients(parts.backward)
+            maxpool_gradients(parts.backward, parts.forward)
+            concat_scatter_sums(parts.backward)
             # The seed axis added and dropped: views that collapse (and what
             # the rewrites above left unread goes).
             collapse_views(parts.backward)

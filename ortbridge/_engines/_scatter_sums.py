@@ -1,0 +1,102 @@
+"""A sum of one-slice scatters into zeros, covering every slice once, as one Concat.
+
+onnx-ad's adjoint of ``Gather(x, k, axis=0)`` with a constant scalar ``k`` is
+``ScatterND(zeros, [k], update)``; where a tensor is split by several such
+Gathers (torch's ``unbind``/``select`` of q, k and v out of one in-projection),
+the adjoints are summed: ``m`` scatters into ``m`` zero tensors and an
+``m``-way Sum, each over the whole tensor. Where the indices are ``0..n-1``,
+each once, over an axis of size ``n``, that sum is the updates concatenated
+in index order: one copy, no zeros, no additions (exact).
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper, numpy_helper
+
+from .._graph_lookup import _unique
+from ._optimize import _const, facts
+from ._simplify import _constants
+
+
+def concat_scatter_sums(model: onnx.ModelProto) -> None:
+    """Rewrite ``model``'s main graph in place (graphs with static shapes)."""
+    if not any(n.op_type == "ScatterND" for n in model.graph.node):
+        return
+    found = facts(model)
+    if found is None:
+        return
+    constants = _constants(model.graph)
+    concats, dropped = {}, set()
+    for node in model.graph.node:
+        if node.op_type != "Sum" or node.domain not in ("", "ai.onnx"):
+            continue
+        slices = _slices(node, found, constants)
+        if slices is not None:
+            dropped.update(id(found.producer[name]) for name in node.input)
+            concats[id(node)] = _concat(node, sorted(slices), found.taken)
+    if not concats:
+        return
+    kept = []
+    for n in model.graph.node:
+        if id(n) not in dropped:
+            kept.extend(concats.get(id(n), [n]))
+    # The zero tensors the scatters wrote into go too, where nothing else reads them.
+    read = {name for n in kept for name in n.input}
+    kept = [n for n in kept if n.op_type != "ConstantOfShape" or n.output[0] in read]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+
+
+def _concat(node, slices, taken) -> list:
+    nodes, parts = [], []
+    for _, update, lacks_axis in slices:
+        if lacks_axis:
+            axis, part = _unique(f"{update}_axis0", taken), _unique(f"{update}_slice", taken)
+            nodes.append(_const(axis, [0]))
+            nodes.append(helper.make_node("Unsqueeze", [update, axis], [part]))
+            update = part
+        parts.append(update)
+    nodes.append(helper.make_node("Concat", parts, [node.output[0]], node.name, axis=0))
+    return nodes
+
+
+def _slices(node, found, constants) -> list[tuple[int, str, bool]] | None:
+    """(index, update, update lacks the axis) of each scatter ``node`` sums.
+
+    None unless they tile axis 0 exactly, each slice once.
+    """
+    out_shape = found.shapes.get(node.output[0])
+    if not out_shape or any(not isinstance(d, int) for d in out_shape):
+        return None
+    slices = []
+    for name in node.input:
+        scatter = found.producer.get(name)
+        if scatter is None or scatter.op_type != "ScatterND" or found.readers.get(name) != 1:
+            return None
+        if found.shapes.get(name) != out_shape or not _zeros(scatter.input[0], found, constants):
+            return None
+        # Indices [k] take an update of the slice's shape, [[k]] one with a
+        # leading axis of 1.
+        index = constants.get(scatter.input[1])
+        if index is None or index.shape not in ((1,), (1, 1)):
+            return None
+        update = scatter.input[2]
+        if found.shapes.get(update) != (1,) * (index.ndim - 1) + tuple(out_shape[1:]):
+            return None
+        slices.append((int(index.ravel()[0]) % out_shape[0], update, index.ndim == 1))
+    if sorted(k for k, _, _ in slices) != list(range(out_shape[0])):
+        return None
+    return slices
+
+
+def _zeros(name, found, constants) -> bool:
+    """Whether ``name`` is a constant all-zero tensor (an initializer or ConstantOfShape)."""
+    value = constants.get(name)
+    if value is not None:
+        return not value.any()
+    node = found.producer.get(name)
+    if node is None or node.op_type != "ConstantOfShape" or node.input[0] not in constants:
+        return False
+    fill = next((a.t for a in node.attribute if a.name == "value"), None)
+    return fill is None or not numpy_helper.to_array(fill).any()
