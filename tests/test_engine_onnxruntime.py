@@ -222,6 +222,38 @@ def test_in_place_change_of_a_saved_output_raises():
 
 
 @needs_engine
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: no worker to spin")
+def test_workers_stop_spinning_when_a_run_returns():
+    """The engine's workers may spin within a run; the CPU time of the process
+    while it sleeps right after backward runs shows none left spinning (one
+    would take about all of it), so torch has the cores between runs."""
+    import time
+
+    layer = OnnxModule(linear_model(64, 64), backend=ORT)
+    x = torch.randn(32, 64)
+    grad = torch.ones_like(layer(x))
+    graph = next(iter(layer._bridge._gradient_graphs.values()))
+    tensors = [x, *(p.detach() for p in layer.parameters())]
+    outputs, residuals, token = graph.forward(tensors)
+    saved = {i: outputs[i] for i in graph.save_outputs}
+
+    def busy_while_sleeping() -> float:
+        """Mean CPU time of the process in 5 ms sleeps, each right after a run."""
+        total = 0.0
+        for _ in range(10):
+            graph.backward([grad], token, residuals, tensors, saved)
+            start = time.process_time()
+            time.sleep(0.005)
+            total += time.process_time() - start
+        return total / 10
+
+    # The least of a few rounds: other threads of the process (earlier tests',
+    # torch's) may be busy for a while, a worker left spinning is in every one.
+    least = min(busy_while_sleeping() for _ in range(4))
+    assert least < 0.002, f"{least * 1e3:.2f} ms of CPU in each 5 ms sleep after a run"
+
+
+@needs_engine
 def test_gradient_penalty_matches_torch():
     model, layer = _mlp64()
     x = torch.randn(5, 4, dtype=torch.float64)

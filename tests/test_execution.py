@@ -346,18 +346,24 @@ def _tanh_model():
     return make_model(graph)
 
 
-def test_default_session_options_share_cores_with_torch():
-    layer = OnnxModule(linear_model(3, 2))
+def test_default_session_options_share_cores_with_torch(backend):
+    """Workers never spin between runs (torch runs there); the onnxruntime
+    engine's may spin within one run, stopped when it returns."""
+    layer = OnnxModule(linear_model(3, 2), backend=backend)
     layer(torch.randn(2, 3)).sum().backward()
     with torch.no_grad():
         layer(torch.randn(2, 3))
     graphs = [*layer._bridge._gradient_graphs.values(), *layer._bridge._inference_graphs.values()]
-    sessions = [s for g in graphs for s in g.sessions]
     assert len(graphs) == 2
-    for session in sessions:
-        options = session.get_session_options()
-        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
-        assert options.intra_op_num_threads == torch.get_num_threads()
+    for graph in graphs:
+        within_runs = getattr(graph, "engine", None) == "onnxruntime"
+        for session in graph.sessions:
+            options = session.get_session_options()
+            spin = options.get_session_config_entry("session.intra_op.allow_spinning")
+            assert spin == ("1" if within_runs else "0"), (graph, spin)
+            if within_runs:
+                assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+            assert options.intra_op_num_threads == torch.get_num_threads()
 
 
 def test_session_options_can_be_overridden():

@@ -384,7 +384,8 @@ def _load(model, part, device, session_options, providers):
         if not node.name and node.output:
             node.name = f"{node.op_type}_{node.output[0]}"
     try:
-        return _session(model, device, session_options, providers)
+        # Runs go through InferenceSession::Run, which stops the spinning on return.
+        return _session(model, device, session_options, providers, spin_within_runs=True)
     except OnnxModelError as exc:
         raise translate(
             exc.__cause__ or exc, f"load the {part} graph", model, refuse="onnxruntime"
