@@ -192,6 +192,24 @@ def test_conv_weight_gradient_by_im2col_matches_torch(c_in, stride, padding, bat
 
 
 @needs_engine
+@pytest.mark.parametrize(
+    "stride, padding, dilation, size",
+    [(1, 0, 1, 9), (2, 1, 1, 9), (2, 0, 1, 8), (1, 2, 2, 10), (3, 1, 1, 11)],
+)
+def test_conv_input_gradient_by_col2im_matches_torch(stride, padding, dilation, size):
+    """The input gradient as MatMul and Col2Im, not ConvTranspose: strided (also
+    where the last rows are in no window), padded and dilated, against torch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, stride, padding, dilation), nn.Tanh())
+    x = torch.randn(2, 3, size, size + 1)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [True, True, True], x.device, [x])
+    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    assert "Col2Im" in ops and "ConvTranspose" not in ops, ops
+
+
+@needs_engine
 def test_first_shapes_get_graphs_of_their_own_then_the_generic_one_runs():
     layer = OnnxModule(_tanh_model(), backend=ORT)
     w = layer.onnx_weight("w").detach().clone().requires_grad_()

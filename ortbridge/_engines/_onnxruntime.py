@@ -31,7 +31,7 @@ from ..exceptions import (
     OrtBridgeError,
 )
 from . import _split, _train_ops
-from ._conv_grad import conv_weight_gradients
+from ._conv_grad import conv_input_gradients, conv_weight_gradients
 from ._optimize import optimize_reverse
 from ._pool_grad import maxpool_gradients
 from ._reverse_prep import (
@@ -252,6 +252,7 @@ class _Built:
         parts = _split.split(reverse, primal_outputs, seeds, adjoints)
         if static is not None:
             conv_weight_gradients(parts.backward)
+            conv_input_gradients(parts.backward)
             maxpool_gradients(parts.backward, parts.forward)
             concat_scatter_sums(parts.backward)
             # The seed axis added and dropped: views that collapse (and what
