@@ -209,6 +209,40 @@ def test_conv_input_gradient_by_col2im_matches_torch(stride, padding, dilation, 
     assert "Col2Im" in ops and "ConvTranspose" not in ops, ops
 
 
+class _ViewThenMatMul(nn.Module):
+    """A transposed activation, reshaped, which a MatMul's weight gradient reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.w = nn.Parameter(torch.randn(6, 3))
+
+    def forward(self, x):
+        h = self.lin(x).view(-1, 2, 3).transpose(1, 2).reshape(-1, 6)
+        return torch.tanh(h @ self.w)
+
+
+@needs_engine
+def test_forward_returns_the_tensor_a_saved_view_views():
+    """onnxruntime copies a Reshape's output to return it: the forward returns
+    the tensor viewed and the backward takes the view (gradients as torch's)."""
+    torch.manual_seed(0)
+    model = _ViewThenMatMul()
+    x = torch.randn(5, 4)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [True] * 4, x.device, [x]).static_built([x])
+    forward = built.split.forward.graph
+    producer = {o: n for n in forward.node for o in n.output}
+    returned = [o.name for o in forward.output][built.n_primal :]
+    assert returned, "the backward reads no forward tensor"
+    views = [
+        n for n in returned if producer.get(n) is not None and producer[n].op_type == "Reshape"
+    ]
+    assert views == [], views
+    assert "Reshape" in [n.op_type for n in built.split.backward.graph.node]
+
+
 @needs_engine
 def test_first_shapes_get_graphs_of_their_own_then_the_generic_one_runs():
     layer = OnnxModule(_tanh_model(), backend=ORT)

@@ -111,6 +111,28 @@ def split(
     if wanted:
         backward_idx |= _ancestors([o for i in wanted for o in nodes[i].output], producer, nodes)
         backward_reads = _reads(nodes, backward_idx, live)
+    # A residual that is a view of another forward tensor (a Reshape's output)
+    # would be copied to be returned (onnxruntime gives a graph output its own
+    # buffer): the viewed tensor is returned and the view taken in the backward.
+    while True:
+        views = [
+            producer[n]
+            for n in backward_reads
+            if n in forward_out
+            and n not in primal_outputs
+            and nodes[producer[n]].op_type in _VIEW_OPS
+        ]
+        if not views:
+            break
+        backward_idx.update(views)
+        backward_reads = _reads(nodes, backward_idx, live)
+        # Their constant operands (a Reshape's shape) are taken along, not saved.
+        backward_idx.update(
+            producer[n]
+            for n in backward_reads
+            if n in forward_out and nodes[producer[n]].op_type == "Constant"
+        )
+        backward_reads = _reads(nodes, backward_idx, live)
     residuals = [n for n in backward_reads if n in forward_out]
     backward_inputs = [n for n in graph_inputs if n in backward_reads and n not in seed_set]
 
@@ -204,6 +226,10 @@ _COPY_OPS = frozenset(
         "Pad", "Slice", "Gather", "Concat", "Constant",
     }
 )  # fmt: skip
+
+
+# Ops whose output is its input's data as it is, under another shape.
+_VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 
 
 def _copies_of_inputs(nodes, forward_idx, graph, seeds, inits) -> set[int]:
