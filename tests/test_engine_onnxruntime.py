@@ -243,6 +243,45 @@ def test_forward_returns_the_tensor_a_saved_view_views():
     assert "Reshape" in [n.op_type for n in built.split.backward.graph.node]
 
 
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"])
+@pytest.mark.parametrize(
+    "axes, keepdims", [([2], 1), ([-2], 0), ([0, 2], 1), ([1, 3], 1), ([1], 1), ([1, 2], 0)]
+)
+def test_reductions_of_tensors_with_unit_axes_reduce_their_squeezed_view(op, axes, keepdims):
+    """onnxruntime reduces an axis followed by a unit one slowly: the reduction
+    reads a view without unit axes, with the same result (up to the order of
+    float additions). Reducing unit axes only is left alone (a view, for
+    collapse_views)."""
+    import onnxruntime as ort
+
+    from ortbridge._engines._simplify import squeeze_reductions
+
+    shape = [3, 1, 5, 1]
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", "axes"], ["y"], keepdims=keepdims)],
+        "reduce",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array(axes, np.int64), "axes")],
+    )
+    model = make_model(graph)
+    rewritten = make_model(graph)
+    squeeze_reductions(rewritten)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, {"x": x})[0]
+
+    expected = run(model)
+    np.testing.assert_allclose(run(rewritten), expected, rtol=1e-6, atol=1e-6)
+    assert run(rewritten).shape == expected.shape
+    reductions = [n for n in rewritten.graph.node if n.op_type == op]
+    assert len(reductions) == 1
+    unit_only = all(shape[a] == 1 for a in axes)
+    assert (reductions[0].input[0] == "x") == unit_only, reductions[0]
+
+
 @needs_engine
 def test_first_shapes_get_graphs_of_their_own_then_the_generic_one_runs():
     layer = OnnxModule(_tanh_model(), backend=ORT)

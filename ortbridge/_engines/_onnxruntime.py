@@ -48,7 +48,7 @@ from ._reverse_prep import (
 )
 from ._rules import own_rules
 from ._scatter_sums import concat_scatter_sums
-from ._simplify import collapse_views, simplify
+from ._simplify import collapse_views, simplify, squeeze_reductions
 
 NAME = "onnxruntime"
 
@@ -258,6 +258,7 @@ class _Built:
             # The seed axis added and dropped: views that collapse (and what
             # the rewrites above left unread goes).
             collapse_views(parts.backward)
+            squeeze_reductions(parts.backward)
             drop_unread_initializers(parts.backward.graph)
         live = set(adjoints) - set(parts.zero_adjoints)
         position = {n: i for i, n in enumerate(feed_names)}
