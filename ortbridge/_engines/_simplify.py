@@ -40,7 +40,7 @@ from onnx import helper, numpy_helper
 
 from .._graph_lookup import _all_names, _unique
 from .._onnx_utils import node_reads
-from ._optimize import _const, _shapes
+from ._optimize import _const, _shapes, replace_nodes
 
 _VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 #: Rounds of lifting views (one lifts a chain; another may find more once collapsed).
@@ -179,22 +179,14 @@ def squeeze_reductions(model: onnx.ModelProto) -> None:
     if not any(n.op_type in _REDUCTIONS for n in model.graph.node):
         return
     shapes = _shapes(model)
-    if shapes is None:
-        return
-    graph = model.graph
-    taken = _all_names(graph)
-    constants = _constants(graph)
-    rewritten = []
-    for node in graph.node:
-        new = None
-        if node.op_type in _REDUCTIONS and not node.domain and len(node.input) == 2:
-            new = _squeezed_reduction(node, shapes, constants, taken)
-        rewritten.extend(new or [node])
-    del graph.node[:]
-    graph.node.extend(rewritten)
+    if shapes is not None:
+        taken, constants = _all_names(model.graph), _constants(model.graph)
+        replace_nodes(model.graph, lambda n: _squeezed_reduction(n, shapes, constants, taken))
 
 
 def _squeezed_reduction(node, shapes, constants, taken) -> list | None:
+    if node.op_type not in _REDUCTIONS or node.domain or len(node.input) != 2:
+        return None
     shape, out = shapes.get(node.input[0]), shapes.get(node.output[0])
     if not _static(shape) or not _static(out) or 1 not in shape or node.input[1] not in constants:
         return None
