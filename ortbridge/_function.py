@@ -101,8 +101,11 @@ def _forward(ctx, bridge, mode, *tensors):
         ctx.volatile, kept = None, tensors
     # Outputs the backward pass reads are saved so that torch's version
     # counter catches an in-place change.
-    ctx.save_for_backward(*kept, *[outputs[i] for i in graph.save_outputs], *residuals)
-    ctx.n_kept, ctx.n_saved_outputs = len(kept), len(graph.save_outputs)
+    # The graphs built for one input shape may read other outputs than the
+    # first one built: the token (the graph that ran) says which, where it can.
+    ctx.save_outputs = getattr(token, "save_outputs", graph.save_outputs)
+    ctx.save_for_backward(*kept, *[outputs[i] for i in ctx.save_outputs], *residuals)
+    ctx.n_kept, ctx.n_saved_outputs = len(kept), len(ctx.save_outputs)
     return tuple(outputs)
 
 
@@ -131,7 +134,7 @@ def _backward(ctx, *grad_outputs):
         grads = _differentiable_backward(ctx, graph, feeds, saved)
     elif positional:
         n_kept, n_out = ctx.n_kept, ctx.n_saved_outputs
-        saved_outputs = dict(zip(graph.save_outputs, saved[n_kept : n_kept + n_out]))
+        saved_outputs = dict(zip(ctx.save_outputs, saved[n_kept : n_kept + n_out]))
         grads = graph.backward(
             feeds, ctx.token, saved[n_kept + n_out :], _inputs(ctx, saved), saved_outputs
         )

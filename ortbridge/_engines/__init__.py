@@ -4,7 +4,8 @@ Each engine builds a gradient graph object with one interface the autograd
 Function calls: ``forward(tensors) -> (outputs, residual tensors, token)``
 and ``backward(output gradients, token, residuals, tensors, saved outputs)
 -> gradients``, plus the bookkeeping attributes ``n_user_outputs``,
-``non_differentiable``, ``full_shape``, ``save_outputs`` and ``grad_slots``.
+``non_differentiable``, ``full_shape``, ``save_outputs`` (the token, where
+it has its own, says which outputs its backward reads) and ``grad_slots``.
 
 - ``"training-agent"`` (:mod:`._training_agent`): onnxruntime-training
   1.19.2's gradient builder and TrainingAgent.
