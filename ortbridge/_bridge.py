@@ -134,7 +134,8 @@ class Bridge:
         """A bridge over the whole reverse model of ``graph`` (for double backward).
 
         Its inputs are the forward's feeds, the Dropout masks, then the
-        output gradients; its outputs the gradients ``graph.grad_slots`` lists.
+        output gradients; its outputs the gradients the ``grad_slots`` of the
+        graph built for these shapes list.
         Built once per gradient graph and input shape.
         """
         token = graph.static_built(tensors)

@@ -101,9 +101,11 @@ def _forward(ctx, bridge, mode, *tensors):
         ctx.volatile, kept = None, tensors
     # Outputs the backward pass reads are saved so that torch's version
     # counter catches an in-place change.
-    # The graphs built for one input shape may read other outputs than the
-    # first one built: the token (the graph that ran) says which, where it can.
+    # The graphs built for one input shape may read other outputs (and give
+    # other gradients) than the first one built: the token (the graph that
+    # ran) says which, where it can.
     ctx.save_outputs = getattr(token, "save_outputs", graph.save_outputs)
+    ctx.grad_slots = getattr(token, "grad_slots", graph.grad_slots)
     ctx.save_for_backward(*kept, *[outputs[i] for i in ctx.save_outputs], *residuals)
     ctx.n_kept, ctx.n_saved_outputs = len(kept), len(ctx.save_outputs)
     return tuple(outputs)
@@ -125,13 +127,14 @@ def _backward(ctx, *grad_outputs):
             shape, dtype, device = ctx.output_meta[idx]
             grad = torch.zeros(shape if idx in graph.full_shape else (), dtype=dtype, device=device)
         feeds.append(grad.contiguous())
+    slots = ctx.grad_slots
     if feeds and all(f is None or f.numel() == 0 for f in feeds):
         # Empty outputs (a batch of zero rows): a vector-Jacobian product over
         # no elements is zero. onnxruntime's kernels may refuse empty shapes.
         tensors = _inputs(ctx, saved)
-        grads = [torch.zeros_like(tensors[slot]) for slot in graph.grad_slots]
+        grads = [torch.zeros_like(tensors[slot]) for slot in ctx.grad_slots]
     elif torch.is_grad_enabled():
-        grads = _differentiable_backward(ctx, graph, feeds, saved)
+        grads, slots = _differentiable_backward(ctx, graph, feeds, saved)
     elif positional:
         n_kept, n_out = ctx.n_kept, ctx.n_saved_outputs
         saved_outputs = dict(zip(ctx.save_outputs, saved[n_kept : n_kept + n_out]))
@@ -148,7 +151,7 @@ def _backward(ctx, *grad_outputs):
         )
     # (bridge, mode, *tensors): one slot per argument of forward.
     result = [None] * (2 + len(ctx.bridge.feed_names))
-    for slot, grad in zip(graph.grad_slots, grads):
+    for slot, grad in zip(slots, grads):
         result[2 + slot] = grad
     return tuple(result)
 
@@ -162,7 +165,8 @@ def _inputs(ctx, saved) -> list[torch.Tensor]:
 
 
 def _differentiable_backward(ctx, graph, feeds, saved):
-    """The backward as a differentiable function of the inputs (``create_graph=True``)."""
+    """The backward as a differentiable function of the inputs (``create_graph=True``):
+    the gradients, and the slots of the graph built for these shapes they fill."""
     if not graph.saves_tensors:
         raise OrtBridgeError(
             "double backward (create_graph=True) through an ONNX layer is not supported by "
@@ -178,4 +182,4 @@ def _differentiable_backward(ctx, graph, feeds, saved):
     seeds = [feeds[i].unsqueeze(-1) for i in ctx.token.seed_index]
     args = [values[name] for name in order[: len(order) - len(seeds)]] + seeds
     grads = reverse_bridge.function_apply(*args)
-    return [g.squeeze(-1) for g in grads]
+    return [g.squeeze(-1) for g in grads], graph.static_built(tensors).grad_slots
