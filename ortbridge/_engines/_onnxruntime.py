@@ -34,6 +34,7 @@ from . import _split, _train_ops
 from ._conv_grad import conv_input_gradients, conv_weight_gradients
 from ._optimize import optimize_reverse
 from ._pool_grad import maxpool_gradients
+from ._reductions import fast_reductions
 from ._reverse_prep import (
     STATIC_HINT,
     bake,
@@ -48,7 +49,7 @@ from ._reverse_prep import (
 )
 from ._rules import own_rules
 from ._scatter_sums import concat_scatter_sums
-from ._simplify import collapse_views, simplify, squeeze_reductions
+from ._simplify import collapse_views, simplify
 
 NAME = "onnxruntime"
 
@@ -258,7 +259,7 @@ class _Built:
             # The seed axis added and dropped: views that collapse (and what
             # the rewrites above left unread goes).
             collapse_views(parts.backward)
-            squeeze_reductions(parts.backward)
+            fast_reductions(parts.backward)
             drop_unread_initializers(parts.backward.graph)
         live = set(adjoints) - set(parts.zero_adjoints)
         position = {n: i for i, n in enumerate(feed_names)}

@@ -24,10 +24,7 @@ both are views of their input:
   write the two halves of ``x * x``'s derivative apart);
 - nodes whose outputs nothing reads are dropped.
 
-Exact: only the shapes change, never a value. :func:`squeeze_reductions`,
-run on the engine's backward once the rest is done, has a reduction read
-its input without unit axes (onnxruntime's fast path), the same elements
-reduced, possibly added in another order. Shapes come from onnx's
+Exact: only the shapes change, never a value. Shapes come from onnx's
 shape inference; a node is rewritten only where its input and output
 shapes are fully known and have no zero-size dimension.
 """
@@ -40,7 +37,7 @@ from onnx import helper, numpy_helper
 
 from .._graph_lookup import _all_names, _unique
 from .._onnx_utils import node_reads
-from ._optimize import _const, _shapes, replace_nodes
+from ._optimize import _const, _shapes
 
 _VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 #: Rounds of lifting views (one lifts a chain; another may find more once collapsed).
@@ -160,51 +157,6 @@ def _constants(graph: onnx.GraphProto) -> dict:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             found[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
     return found
-
-
-#: Reductions onnxruntime runs slowly where a unit axis follows the reduced ones.
-_REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"})
-
-
-def squeeze_reductions(model: onnx.ModelProto) -> None:
-    """A reduction of a tensor with axes of size 1 reduces its view without them.
-
-    onnx-ad's seed axis (size 1) trails every adjoint, and onnxruntime takes
-    a slow strided path for a reduced axis followed by a unit one: a
-    ReduceMean over the 256 features of (16, 64, 256, 1) took 273 us on 2
-    cores, of (16, 64, 256) 50 us. Views before and after it are free. The
-    same elements are reduced (onnxruntime may add them in another order:
-    float rounding may differ in the last place). In place.
-    """
-    if not any(n.op_type in _REDUCTIONS for n in model.graph.node):
-        return
-    shapes = _shapes(model)
-    if shapes is not None:
-        taken, constants = _all_names(model.graph), _constants(model.graph)
-        replace_nodes(model.graph, lambda n: _squeezed_reduction(n, shapes, constants, taken))
-
-
-def _squeezed_reduction(node, shapes, constants, taken) -> list | None:
-    if node.op_type not in _REDUCTIONS or node.domain or len(node.input) != 2:
-        return None
-    shape, out = shapes.get(node.input[0]), shapes.get(node.output[0])
-    if not _static(shape) or not _static(out) or 1 not in shape or node.input[1] not in constants:
-        return None
-    axes = {int(a) % len(shape) for a in np.ravel(constants[node.input[1]])}
-    kept = [a for a, d in enumerate(shape) if d != 1]
-    reduced = [kept.index(a) for a in sorted(axes) if shape[a] != 1]
-    if not reduced:  # only unit axes reduced: a view, collapse_views's
-        return None
-    base = node.output[0]
-    squeezed, summed, axes_name = (
-        _unique(f"{base}/{s}", taken) for s in ("squeezed", "reduced", "axes")
-    )
-    return [
-        *reshape(node.input[0], [shape[a] for a in kept], squeezed, taken),
-        _const(axes_name, reduced),
-        helper.make_node(node.op_type, [squeezed, axes_name], [summed], keepdims=1),
-        *reshape(summed, out, base, taken, node.name),
-    ]
 
 
 def _viewed(node: onnx.NodeProto, shapes: dict, constants: dict) -> str | None:
