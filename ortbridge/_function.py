@@ -132,7 +132,7 @@ def _backward(ctx, *grad_outputs):
         # Empty outputs (a batch of zero rows): a vector-Jacobian product over
         # no elements is zero. onnxruntime's kernels may refuse empty shapes.
         tensors = _inputs(ctx, saved)
-        grads = [torch.zeros_like(tensors[slot]) for slot in ctx.grad_slots]
+        grads = [torch.zeros_like(tensors[slot]) for slot in slots]
     elif torch.is_grad_enabled():
         grads, slots = _differentiable_backward(ctx, graph, feeds, saved)
     elif positional:

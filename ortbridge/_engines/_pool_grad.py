@@ -45,6 +45,7 @@ from onnx import helper, numpy_helper
 from .._graph_lookup import _unique
 from .._onnx_utils import attr
 from ._optimize import _const, facts, replace_nodes
+from ._simplify import _VIEWS
 
 
 def maxpool_gradients(model: onnx.ModelProto, forward: onnx.ModelProto | None = None) -> None:
@@ -114,7 +115,7 @@ def _rewrite(node, pools, found, gates, gated, kept):
     size = (n, c, h, w)
     pooled, g4, g_shape_name = name("max"), name("grad"), name("grad_shape")
     nodes.append(_const(g_shape_name, [n, c, h, w]))
-    if kept.get((x, block)) is not None:  # the forward's own result (a view of it)
+    if (x, block) in kept:  # the forward's own result (a view of it)
         nodes.append(helper.make_node("Reshape", [kept[(x, block)], g_shape_name], [pooled]))
     else:
         nodes.append(helper.make_node("MaxPool", [source], [pooled], kernel_shape=k, strides=k))
@@ -184,10 +185,9 @@ def _rewrite(node, pools, found, gates, gated, kept):
 def _kept_pools(forward: onnx.ModelProto, kept: set[str]) -> dict[tuple[str, int], str]:
     """``{(pool input, block): tensor}``: a non-overlapping MaxPool's output, or a
     view of it, that the forward hands on (a name in ``kept``)."""
-    views = ("Reshape", "Flatten", "Identity", "Squeeze", "Unsqueeze")
     viewed = {}  # a view's output -> the tensor it views, through chains
     for node in forward.graph.node:
-        if node.op_type in views and node.input:
+        if node.op_type in _VIEWS and node.input:
             viewed[node.output[0]] = viewed.get(node.input[0], node.input[0])
     handed = {}
     for name in kept:

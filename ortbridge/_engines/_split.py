@@ -11,6 +11,8 @@ gradients), the backward runs later. Plain graph code, no onnxruntime.
   work the forward does not need (recomputed there from inputs and residuals
   rather than saved: torch's trade too).
 - Graph inputs the backward reads are fed to it directly, never saved twice.
+- A view (``Reshape``, ``Squeeze``...) of a forward tensor is taken in the
+  backward, the tensor viewed returned: onnxruntime would copy the view out.
 - An adjoint that depends on no seed is zero (no gradient reaches it).
 """
 
@@ -24,6 +26,7 @@ from onnx import helper
 
 from .._graph_lookup import _all_names, _unique
 from .._onnx_utils import node_reads
+from ._simplify import _VIEWS
 
 
 @dataclasses.dataclass
@@ -118,9 +121,7 @@ def split(
         views = [
             producer[n]
             for n in backward_reads
-            if n in forward_out
-            and n not in primal_outputs
-            and nodes[producer[n]].op_type in _VIEW_OPS
+            if n in forward_out and n not in primal_outputs and nodes[producer[n]].op_type in _VIEWS
         ]
         if not views:
             break
@@ -226,10 +227,6 @@ _COPY_OPS = frozenset(
         "Pad", "Slice", "Gather", "Concat", "Constant",
     }
 )  # fmt: skip
-
-
-# Ops whose output is its input's data as it is, under another shape.
-_VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 
 
 def _copies_of_inputs(nodes, forward_idx, graph, seeds, inits) -> set[int]:
