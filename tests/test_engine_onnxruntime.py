@@ -290,6 +290,22 @@ def test_reductions_take_onnxruntime_fast_paths(op, axes, keepdims):
 
 
 @needs_engine
+def test_layer_norm_backward_reads_the_forward_statistics():
+    """The backward of LayerNormalization reads the Mean and InvStdDev its forward
+    node returned instead of computing them again; gradients as torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(5, 6)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [True] * 7, x.device, [x]).static_built([x])
+    (norm,) = [n for n in built.split.forward.graph.node if n.op_type == "LayerNormalization"]
+    assert set(norm.output[1:]) <= set(built.split.residuals), built.split.residuals
+    ops = [n.op_type for n in built.split.backward.graph.node]
+    assert "ReduceMean" in ops and "Sqrt" not in ops and "Reciprocal" not in ops, ops
+
+
+@needs_engine
 def test_first_shapes_get_graphs_of_their_own_then_the_generic_one_runs():
     layer = OnnxModule(_tanh_model(), backend=ORT)
     w = layer.onnx_weight("w").detach().clone().requires_grad_()

@@ -32,6 +32,7 @@ from ..exceptions import (
 )
 from . import _split, _train_ops
 from ._conv_grad import conv_input_gradients, conv_weight_gradients
+from ._norm_stats import forward_norm_statistics
 from ._optimize import optimize_reverse
 from ._pool_grad import maxpool_gradients
 from ._reductions import fast_reductions
@@ -248,6 +249,7 @@ class _Built:
         optimize_reverse(reverse)
         if static is not None:  # chains of views as one view: fewer nodes to dispatch
             simplify(reverse)
+            forward_norm_statistics(reverse)
         self.reverse = reverse
         primal_outputs = user_outputs + stat_outputs
         parts = _split.split(reverse, primal_outputs, seeds, adjoints)
