@@ -34,9 +34,13 @@ def forward_norm_statistics(model: onnx.ModelProto) -> None:
     if found is None:
         return
     constants = _constants(graph)
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
     replace = {}
     for norm in norms:
-        replace.update(_statistics(norm, found, constants))
+        replace.update(_statistics(norm, found, constants, readers))
     if replace:
         for node in graph.node:
             for pos, name in enumerate(node.input):
@@ -44,7 +48,7 @@ def forward_norm_statistics(model: onnx.ModelProto) -> None:
                     node.input[pos] = replace[name]
 
 
-def _statistics(norm, found, constants) -> dict[str, str]:
+def _statistics(norm, found, constants, readers) -> dict[str, str]:
     """``{recomputed mean: norm's Mean, recomputed inverse std: norm's InvStdDev}``."""
     x = norm.input[0]
     shape = found.shapes.get(x)
@@ -54,7 +58,6 @@ def _statistics(norm, found, constants) -> dict[str, str]:
         return {}
     axes = list(range(attr(norm, "axis", -1) % len(shape), len(shape)))
     epsilon = attr(norm, "epsilon", 1e-5)
-    readers = _readers(found.producer)
     for mean in readers.get(x, []):
         if not _mean_over(mean, x, axes, constants):
             continue
@@ -65,18 +68,6 @@ def _statistics(norm, found, constants) -> dict[str, str]:
             if invstd is not None:
                 return {mean.output[0]: norm.output[1], invstd: norm.output[2]}
     return {}
-
-
-def _readers(producer) -> dict[str, list]:
-    found: dict[str, list] = {}
-    seen = set()
-    for node in producer.values():
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        for name in node.input:
-            found.setdefault(name, []).append(node)
-    return found
 
 
 def _mean_over(node, x, axes, constants) -> bool:

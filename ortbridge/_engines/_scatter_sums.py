@@ -12,10 +12,11 @@ in index order: one copy, no zeros, no additions (exact).
 from __future__ import annotations
 
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from .._graph_lookup import _unique
 from ._optimize import _const, facts
+from ._pool_grad import _zeros
 from ._simplify import _constants
 
 
@@ -74,7 +75,9 @@ def _slices(node, found, constants) -> list[tuple[int, str, bool]] | None:
         scatter = found.producer.get(name)
         if scatter is None or scatter.op_type != "ScatterND" or found.readers.get(name) != 1:
             return None
-        if found.shapes.get(name) != out_shape or not _zeros(scatter.input[0], found, constants):
+        if found.shapes.get(name) != out_shape:
+            return None
+        if not _zeros(scatter.input[0], found.producer, found.inits):
             return None
         # Indices [k] take an update of the slice's shape, [[k]] one with a
         # leading axis of 1.
@@ -88,15 +91,3 @@ def _slices(node, found, constants) -> list[tuple[int, str, bool]] | None:
     if sorted(k for k, _, _ in slices) != list(range(out_shape[0])):
         return None
     return slices
-
-
-def _zeros(name, found, constants) -> bool:
-    """Whether ``name`` is a constant all-zero tensor (an initializer or ConstantOfShape)."""
-    value = constants.get(name)
-    if value is not None:
-        return not value.any()
-    node = found.producer.get(name)
-    if node is None or node.op_type != "ConstantOfShape" or node.input[0] not in constants:
-        return False
-    fill = next((a.t for a in node.attribute if a.name == "value"), None)
-    return fill is None or not numpy_helper.to_array(fill).any()
