@@ -306,6 +306,30 @@ def test_layer_norm_backward_reads_the_forward_statistics():
 
 
 @needs_engine
+@pytest.mark.parametrize("rows", [(5,), (2, 5)])
+def test_weight_gradient_of_a_linear_is_one_product_in_the_weight_layout(rows):
+    """A Linear on a matrix or on a batch of them: the weight's gradient is
+    ``G^T X`` written in the weight's layout, not ``(X^T G)`` transposed and copied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 4))
+    x = torch.randn(*rows, 6)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [True] * 5, x.device, [x]).static_built([x])
+    backward = built.split.backward.graph
+    producer = {o: n for n in backward.node for o in n.output}
+    for weight in ("0.weight", "2.weight"):
+        (grad,) = [o.name for o in backward.output if o.name == f"adj_{weight}_value"]
+        node = producer[grad]
+        while node.op_type == "Identity":
+            node = producer[node.input[0]]
+        assert node.op_type == "MatMul", (weight, node.op_type)
+    # The only Transposes left turn the output gradients (batch-sized), not weights.
+    transposed = [producer[n.input[0]].op_type for n in backward.node if n.op_type == "Transpose"]
+    assert all(op != "MatMul" for op in transposed), transposed
+
+
+@needs_engine
 def test_first_shapes_get_graphs_of_their_own_then_the_generic_one_runs():
     layer = OnnxModule(_tanh_model(), backend=ORT)
     w = layer.onnx_weight("w").detach().clone().requires_grad_()

@@ -23,19 +23,15 @@ import onnx
 import torch
 
 from .. import _ort
-from .._onnx_utils import drop_unread_initializers, set_input_shapes
+from .._onnx_utils import set_input_shapes
 from .._ort_errors import translate
 from .._runtime import _session, from_ortvalues, ort_device, to_ortvalues
 from ..exceptions import (
     OnnxModelError,
     OrtBridgeError,
 )
-from . import _split, _train_ops
-from ._conv_grad import conv_input_gradients, conv_weight_gradients
-from ._norm_stats import forward_norm_statistics
+from . import _split, _static_rewrites, _train_ops
 from ._optimize import optimize_reverse
-from ._pool_grad import maxpool_gradients
-from ._reductions import fast_reductions
 from ._reverse_prep import (
     STATIC_HINT,
     bake,
@@ -49,8 +45,6 @@ from ._reverse_prep import (
     setting_positions,
 )
 from ._rules import own_rules
-from ._scatter_sums import concat_scatter_sums
-from ._simplify import collapse_views, simplify
 
 NAME = "onnxruntime"
 
@@ -247,22 +241,13 @@ class _Built:
         adjoints = [o.name for o in reverse.graph.output][len(m.graph.output) :]
         fix_seed_axis(reverse)
         optimize_reverse(reverse)
-        if static is not None:  # chains of views as one view: fewer nodes to dispatch
-            simplify(reverse)
-            forward_norm_statistics(reverse)
+        if static is not None:
+            _static_rewrites.before_split(reverse)
         self.reverse = reverse
         primal_outputs = user_outputs + stat_outputs
         parts = _split.split(reverse, primal_outputs, seeds, adjoints)
         if static is not None:
-            conv_weight_gradients(parts.backward)
-            conv_input_gradients(parts.backward)
-            maxpool_gradients(parts.backward, parts.forward)
-            concat_scatter_sums(parts.backward)
-            # The seed axis added and dropped: views that collapse (and what
-            # the rewrites above left unread goes).
-            collapse_views(parts.backward)
-            fast_reductions(parts.backward)
-            drop_unread_initializers(parts.backward.graph)
+            _static_rewrites.after_split(parts.backward, parts.forward)
         live = set(adjoints) - set(parts.zero_adjoints)
         position = {n: i for i, n in enumerate(feed_names)}
         self.grad_slots = [position[t] for t, a in zip(targets, adjoints) if a in live]

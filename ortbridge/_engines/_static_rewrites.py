@@ -1,0 +1,41 @@
+"""The exact rewrites of a reverse model built for static shapes, in the order they run.
+
+With every shape known, onnx-ad's general reverse model has cheaper equal
+forms; each rewrite is its own module, this one says when each runs: on the
+whole reverse model before :mod:`._split` cuts it, then on the backward
+graph (some of them reading what the forward graph returns).
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from .._onnx_utils import drop_unread_initializers
+from ._conv_grad import conv_input_gradients, conv_weight_gradients
+from ._norm_stats import forward_norm_statistics
+from ._pool_grad import maxpool_gradients
+from ._reductions import fast_reductions
+from ._scatter_sums import concat_scatter_sums
+from ._simplify import collapse_views, simplify
+from ._weight_products import weight_products
+
+
+def before_split(reverse: onnx.ModelProto) -> None:
+    """Chains of views as one view (fewer nodes to dispatch); normalisations'
+    backward reading their forward's statistics."""
+    simplify(reverse)
+    forward_norm_statistics(reverse)
+
+
+def after_split(backward: onnx.ModelProto, forward: onnx.ModelProto) -> None:
+    """The backward graph's products, pools and sums in their cheaper forms."""
+    conv_weight_gradients(backward)
+    conv_input_gradients(backward)
+    maxpool_gradients(backward, forward)
+    concat_scatter_sums(backward)
+    weight_products(backward)
+    # The seed axis added and dropped: views that collapse (and what the
+    # rewrites above left unread goes).
+    collapse_views(backward)
+    fast_reductions(backward)
+    drop_unread_initializers(backward.graph)
