@@ -45,6 +45,8 @@ from ortbridge import OnnxModule, _ort  # noqa: E402
 from ortbridge._runtime import from_ortvalues, to_ortvalues  # noqa: E402
 
 LR = 0.01
+#: Environment variables that set how long torch's OpenMP workers spin.
+_OPENMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")
 
 
 def _no_mark(name):
@@ -210,6 +212,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    spin = {k: os.environ[k] for k in _OPENMP_ENV if k in os.environ}
+    print(f"OpenMP settings: {spin or 'defaults (workers spin after each parallel op)'}")
     results = []
     for name in args.models:
         print(f"measuring {name} ...", flush=True)
@@ -246,6 +250,9 @@ def main(argv=None) -> int:
         "torch_threads": torch.get_num_threads(),
         "onnxruntime": __import__("onnxruntime").__version__,
         "device": str(device),
+        # torch's OpenMP workers spin after each parallel op unless told
+        # otherwise; onnxruntime's worker then shares their core.
+        "openmp_env": {k: os.environ[k] for k in _OPENMP_ENV if k in os.environ},
     }
     with open(os.path.join(args.out, f"bench_step{suffix}.json"), "w") as f:
         json.dump({"info": info, "results": results}, f, indent=1)
