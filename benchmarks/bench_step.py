@@ -43,6 +43,7 @@ import _models  # noqa: E402
 
 from ortbridge import OnnxModule, _ort  # noqa: E402
 from ortbridge._runtime import from_ortvalues, to_ortvalues  # noqa: E402
+from ortbridge._threads import UNPINNED  # noqa: E402
 
 LR = 0.01
 #: Environment variables that set how long torch's OpenMP workers spin.
@@ -73,16 +74,16 @@ class RawAgentLoop:
 
         C = capi()
         mark = mark or _no_mark
-        pinning = self.graph.pinning  # onnxruntime's workers kept off this core, as ortbridge does
+        # onnxruntime's workers kept off this core, torch's resting, as ortbridge does
+        pinning = self.graph.pinning
         mark("start")
         optimizer.zero_grad(set_to_none=True)
         mark("zero_grad")
         feeds = dict(zip(self.names, [x, *(w.detach() for w in self.weights)]))
         inputs = to_ortvalues([feeds[n] for n in self.graph.feed_names])
         outputs, state = C.OrtValueVector(), C.PartialGraphExecutionState()
-        if pinning is not None:
-            pinning.follow()
-        self.graph.agent.run_forward(inputs, outputs, state, None)
+        with pinning or UNPINNED:
+            self.graph.agent.run_forward(inputs, outputs, state, None)
         out = from_ortvalues(outputs)[0].requires_grad_()
         mark("forward")
         loss = loss_fn(out, y)
@@ -90,9 +91,8 @@ class RawAgentLoop:
         loss.backward()
         mark("loss_backward")
         grads = C.OrtValueVector()
-        if pinning is not None:
-            pinning.follow()
-        self.graph.agent.run_backward(to_ortvalues([out.grad]), grads, state)
+        with pinning or UNPINNED:
+            self.graph.agent.run_backward(to_ortvalues([out.grad]), grads, state)
         for name, grad in zip(self.graph.grad_targets, from_ortvalues(grads)):
             self.param_of[name].grad = grad
         mark("backward")

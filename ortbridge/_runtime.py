@@ -13,7 +13,7 @@ from torch.utils.dlpack import to_dlpack
 
 from . import _ort
 from ._ort_errors import load_error, translate
-from ._threads import start_pinned
+from ._threads import UNPINNED, start_pinned
 from .exceptions import OnnxModelError, OrtBridgeError
 
 _CAPI = None
@@ -203,7 +203,7 @@ def _session(model, device, session_options, providers, spin_within_runs=False):
     if device.type != "cpu":
         return create(so), None
     try:
-        return start_pinned(create, so, so.intra_op_num_threads - 1)
+        return start_pinned(create, so, so.intra_op_num_threads - 1, spin_within_runs)
     except OnnxModelError:
         # The model, or thread affinities this onnxruntime refuses: once
         # more without them, so that only the model's own error comes out.
@@ -244,21 +244,20 @@ class InferenceGraph(SessionHolder):
 
     def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         C = _capi()
-        if self.pinning is not None:
-            self.pinning.follow()
         inputs = to_ortvalues([feeds[name] for name in self.input_names])
         outputs = C.OrtValueVector()
         if self.seeded:
             C.set_seed(int(torch_seed()))
         try:
-            self.session._sess.run_with_ortvaluevector(
-                self._run_options,
-                self.input_names,
-                inputs,
-                self.output_names,
-                outputs,
-                self._devices,
-            )
+            with self.pinning or UNPINNED:
+                self.session._sess.run_with_ortvaluevector(
+                    self._run_options,
+                    self.input_names,
+                    inputs,
+                    self.output_names,
+                    outputs,
+                    self._devices,
+                )
         except Exception as exc:
             raise translate(exc, "run the graph", self._model) from exc
         return from_ortvalues(outputs)

@@ -1,4 +1,5 @@
-"""onnxruntime's intra-op workers are kept off the core of the thread calling them."""
+"""onnxruntime's intra-op workers are kept off the core of the thread calling them,
+and torch's idle OpenMP workers rest before a long run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import onnxruntime
 import pytest
 import torch
 
-from ortbridge import OnnxModule, _threads
+from ortbridge import OnnxModule, _ort, _threads
 from ortbridge._examples import linear_model
 from ortbridge._threads import WorkerPinning, start_pinned, thread_ids
 
@@ -170,7 +171,7 @@ def test_affinities_refused_still_give_a_session(monkeypatch):
     from ortbridge import _runtime
     from ortbridge.exceptions import OnnxModelError
 
-    def refuse(create, options, n_workers):
+    def refuse(create, options, n_workers, rests_openmp=False):
         raise OnnxModelError("onnxruntime cannot load the graph: bad affinity string")
 
     monkeypatch.setattr(_runtime, "start_pinned", refuse)
@@ -180,3 +181,87 @@ def test_affinities_refused_still_give_a_session(monkeypatch):
     (graph,) = layer._bridge._gradient_graphs.values()
     assert graph.pinnings == [None] * len(graph.pinnings)
     assert torch.allclose(layer(x), x @ layer.weight.T + layer.bias)
+
+
+# -- torch's OpenMP workers --------------------------------------------------
+
+
+_SPINNING = """
+import json, time, torch
+from ortbridge import _threads
+
+def parallel_op():  # big enough for ATen's parallel_for: the OpenMP workers join, then spin
+    torch.ones(4_000_000).mul_(2)
+
+def op_then_rest():
+    parallel_op()
+    assert _threads.rest_openmp()
+
+def cpu_while_sleeping(before):  # least CPU time of the process over 20 ms sleeps
+    least = float("inf")
+    for _ in range(5):
+        before()
+        start = time.process_time()
+        time.sleep(0.02)
+        least = min(least, time.process_time() - start)
+    return least
+
+found = _threads.rest_openmp()
+print(json.dumps({"found": found, "spinning": cpu_while_sleeping(parallel_op),
+                  "rested": cpu_while_sleeping(op_then_rest) if found else None,
+                  "after": torch.ones(4_000_000).mul_(2).sum().item()}))
+"""
+
+
+@pinnable
+def test_resting_stops_torch_openmp_workers_spinning():
+    """After a parallel op torch's OpenMP workers spin for a while (CPU time
+    while the process sleeps); rested, they do not, and torch's next parallel
+    op starts them again. In a fresh interpreter: libgomp spins far less once
+    it manages more threads than cores (other tests' threads' pools)."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _SPINNING], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    found = json.loads(run.stdout)
+    if not found["found"]:
+        pytest.skip("torch's OpenMP runtime has no omp_pause_resource_all")
+    if found["spinning"] < 0.002:
+        pytest.skip(f"torch's OpenMP workers do not spin here ({found['spinning'] * 1e3:.2f} ms)")
+    assert found["rested"] < found["spinning"] / 4, found
+    assert found["after"] == 8_000_000
+
+
+@pytest.mark.parametrize("rests", [True, False])
+def test_only_long_runs_of_sessions_that_spin_rest_openmp_first(monkeypatch, rests):
+    calls = []
+    monkeypatch.setattr(_threads, "rest_openmp", lambda: calls.append(1) or True)
+    monkeypatch.setattr(_threads, "_getcpu", lambda: 0)
+    pinning = WorkerPinning([], {0, 1}, 0, rests_openmp=rests)
+    with pinning:  # short
+        pass
+    with pinning:  # short before: no rest; long itself
+        time.sleep(2 * _threads.LONG_RUN_S)
+    assert calls == []
+    with pinning:  # long before
+        pass
+    assert calls == ([1] if rests else [])
+    with pinning:  # short before
+        pass
+    assert len(calls) == (1 if rests else 0)
+
+
+@pinnable
+def test_the_onnxruntime_engine_rests_openmp_the_training_agent_does_not():
+    """Resting pays where the workers spin within a run (the onnxruntime
+    engine's sessions); where they sleep, it made the agent's steps slower."""
+    backends = ["onnxruntime"] + (["training-agent"] if _ort.has_training() else [])
+    for backend in backends:
+        layer = OnnxModule(linear_model(3, 2), backend=backend)
+        layer(torch.randn(4, 3)).sum().backward()
+        (graph,) = layer._bridge._gradient_graphs.values()
+        assert graph.pinnings and all(
+            p.rests_openmp == (backend == "onnxruntime") for p in graph.pinnings
+        ), backend

@@ -26,6 +26,7 @@ from .. import _ort
 from .._onnx_utils import set_input_shapes
 from .._ort_errors import translate
 from .._runtime import _session, from_ortvalues, ort_device, to_ortvalues
+from .._threads import UNPINNED
 from ..exceptions import (
     OnnxModelError,
     OrtBridgeError,
@@ -290,13 +291,13 @@ class _Built:
         self._capi = _ort.capi()
 
     def _run(self, session, pinning, names, tensors, out_names, devices, where):
-        if pinning is not None:
-            pinning.follow()
         outputs = self._capi.OrtValueVector()
+        feeds = to_ortvalues(tensors)
         try:
-            session._sess.run_with_ortvaluevector(
-                self._run_options, names, to_ortvalues(tensors), out_names, outputs, devices
-            )
+            with pinning or UNPINNED:
+                session._sess.run_with_ortvaluevector(
+                    self._run_options, names, feeds, out_names, outputs, devices
+                )
         except Exception as exc:
             graph = self.split.forward if where == "forward" else self.split.backward
             raise translate(exc, f"run the {where} pass", graph) from exc

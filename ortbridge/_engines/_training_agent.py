@@ -33,6 +33,7 @@ from .._runtime import (
     to_ortvalues,
     torch_seed,
 )
+from .._threads import UNPINNED
 from ..exceptions import NotDifferentiableError, OnnxModelError, OrtBridgeError
 from . import _builder_limits
 
@@ -152,8 +153,6 @@ class GradientGraph(SessionHolder):
 
     def _forward(self, tensors, seed):
         C = _capi()
-        if self.pinning is not None:
-            self.pinning.follow()
         if self.feed_order is not None:
             tensors = [tensors[i] for i in self.feed_order]
         if seed is not None:
@@ -162,7 +161,8 @@ class GradientGraph(SessionHolder):
         outputs = C.OrtValueVector()
         state = C.PartialGraphExecutionState()
         try:
-            self.agent.run_forward(inputs, outputs, state, None)
+            with self.pinning or UNPINNED:
+                self.agent.run_forward(inputs, outputs, state, None)
         except Exception as exc:
             raise translate(exc, "run the forward pass", self._forward_model) from exc
         # The forward outputs live in the execution state's planned memory
@@ -183,12 +183,11 @@ class GradientGraph(SessionHolder):
         C = _capi()
         if state is None:
             _, _, state = self._forward(tensors, residuals[0] if residuals else None)
-        if self.pinning is not None:
-            self.pinning.follow()
         inputs = to_ortvalues(grad_outputs)
         outputs = C.OrtValueVector()
         try:
-            self.agent.run_backward(inputs, outputs, state)
+            with self.pinning or UNPINNED:
+                self.agent.run_backward(inputs, outputs, state)
         except Exception as exc:
             raise translate(exc, "run the backward pass", self._forward_model) from exc
         return from_ortvalues(outputs)
