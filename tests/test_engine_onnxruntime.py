@@ -306,10 +306,11 @@ def test_layer_norm_backward_reads_the_forward_statistics():
 
 
 @needs_engine
-@pytest.mark.parametrize("rows", [(5,), (2, 5)])
+@pytest.mark.parametrize("rows", [(5,), (2, 5), (3, 1, 4), (2, 3, 5)])
 def test_weight_gradient_of_a_linear_is_one_product_in_the_weight_layout(rows):
-    """A Linear on a matrix or on a batch of them: the weight's gradient is
-    ``G^T X`` written in the weight's layout, not ``(X^T G)`` transposed and copied."""
+    """A Linear on a matrix or on batches of them (one or more batch axes): the
+    weight's gradient is one product ``G^T X`` written in the weight's layout,
+    not ``(X^T G)`` transposed and copied, nor products per batch summed."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 4))
     x = torch.randn(*rows, 6)

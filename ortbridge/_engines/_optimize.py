@@ -164,19 +164,29 @@ def _summed_batch_product(node, producer, constants, shapes, taken):
     if g_shape[0] != 1 or not isinstance(k, int) or not isinstance(n, int):
         return None
     base = node.output[0]
-    xs, gs, xf, gf, xt, p, out_shape = (
-        _unique(f"{base}_{s}", taken) for s in ("xs", "gs", "xf", "gf", "xt", "p", "shape")
-    )
+    nodes, p = flattened_product(left.input[0], matmul.input[1], k, n, base, taken)
+    out_shape = _unique(f"{base}_shape", taken)
     return [
-        _const(xs, [-1, k]),
-        helper.make_node("Reshape", [left.input[0], xs], [xf]),
-        _const(gs, [-1, n]),
-        helper.make_node("Reshape", [matmul.input[1], gs], [gf]),
-        helper.make_node("Transpose", [xf], [xt], perm=[1, 0]),
-        helper.make_node("MatMul", [xt, gf], [p]),
+        *nodes,
         _const(out_shape, [1, k, n, 1]),
         helper.make_node("Reshape", [p, out_shape], [base], node.name),
     ]
+
+
+def flattened_product(x, g, k, n, base, taken) -> tuple[list, str]:
+    """Nodes computing ``X'^T G'``, X' = ``x`` as (-1, k) and G' = ``g`` as
+    (-1, n): a sum over batches of per-batch products, as one product; and its name."""
+    parts = ("xs", "gs", "xf", "gf", "xt", "p")
+    xs, gs, xf, gf, xt, p = (_unique(f"{base}_{s}", taken) for s in parts)
+    nodes = [
+        _const(xs, [-1, k]),
+        helper.make_node("Reshape", [x, xs], [xf]),
+        _const(gs, [-1, n]),
+        helper.make_node("Reshape", [g, gs], [gf]),
+        helper.make_node("Transpose", [xf], [xt], perm=[1, 0]),
+        helper.make_node("MatMul", [xt, gf], [p]),
+    ]
+    return nodes, p
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple] | None:

@@ -11,6 +11,12 @@ transpose of ``G`` (a batch-sized matrix, like ``X``) into its MatMul. On
 the FFN of a transformer layer (1024 rows, 256 and 2048 features) the
 weight gradients' products took 3.7 and 3.4 ms instead of 3.9 and 4.1 ms
 (onnxruntime 1.19, 2 cores), plus the copies. Exact: the same sums.
+
+Input of four axes or more (a Linear on (a, b, m, k)) first gets the sum
+over its batch axes as one product of the flattened batches, as three axes
+get before the split (:mod:`._optimize`): onnx-ad writes a product per
+batch element and a ``ReduceSum`` over a batch-times-weight-sized tensor
+(an MLP on (16, 8, 8, 64): step 0.85x).
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import onnx
 from onnx import helper
 
 from .._graph_lookup import _unique
-from ._optimize import _perm, facts, replace_nodes
-from ._simplify import _VIEWS, _static, reshape
+from ._optimize import _perm, facts, flattened_product, replace_nodes
+from ._simplify import _VIEWS, _constants, _static, reshape
 
 
 def weight_products(model: onnx.ModelProto) -> None:
@@ -30,7 +36,47 @@ def weight_products(model: onnx.ModelProto) -> None:
     found = facts(model)
     if found is None:
         return
+    if any(n.op_type == "ReduceSum" for n in model.graph.node):
+        constants = _constants(model.graph)
+        replace_nodes(model.graph, lambda node: _summed_batches(node, found, constants))
+        found = facts(model)
+        if found is None:
+            return
     replace_nodes(model.graph, lambda node: _rewrite(node, found))
+
+
+def _summed_batches(node, found, constants) -> list | None:
+    """``ReduceSum`` over the batch axes of ``MatMul(Transpose(X), G)``, X (..., m, k),
+    G (..., m, n) with the same batch axes (and leading unit ones), as one product
+    of the batches flattened: ``X'^T G'``, X' (-1, k), G' (-1, n), in its shape.
+
+    Input of four axes or more (a Linear on (a, b, m, k)): three are rewritten
+    before the split (:mod:`._optimize`). The same sums, in another order.
+    """
+    if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx"):
+        return None
+    product = found.producer.get(node.input[0])
+    if product is None or product.op_type != "MatMul" or found.readers.get(node.input[0]) != 1:
+        return None
+    left = found.producer.get(product.input[0])
+    if left is None or left.op_type != "Transpose" or left.domain not in ("", "ai.onnx"):
+        return None
+    x, g = found.shapes.get(left.input[0]), found.shapes.get(product.input[1])
+    out, summed = found.shapes.get(node.output[0]), found.shapes.get(node.input[0])
+    if not all(_static(s) for s in (x, g, out, summed)) or len(x) < 3:
+        return None
+    rank = len(x)
+    if _perm(left) != [*range(rank - 2), rank - 1, rank - 2]:
+        return None
+    extra = len(g) - rank
+    if extra < 0 or any(d != 1 for d in g[:extra]) or tuple(g[extra:-1]) != tuple(x[:-1]):
+        return None
+    k, n = x[-1], g[-1]
+    # Every batch axis summed, k and n kept: the output's shape says so.
+    if tuple(out[-2:]) != (k, n) or any(d != 1 for d in out[:-2]) or len(out) != len(summed):
+        return None
+    nodes, p = flattened_product(left.input[0], product.input[1], k, n, node.output[0], found.taken)
+    return [*nodes, *reshape(p, out, node.output[0], found.taken, node.name)]
 
 
 def _rewrite(node, found) -> list | None:
