@@ -732,6 +732,73 @@ def test_gather_adjoints_of_an_unbind_are_one_concat():
     assert "ScatterND" not in ops and "Concat" in ops, ops
 
 
+@pytest.mark.parametrize(
+    "pads, tiles",
+    [
+        ([[0, 3, 0, 0], [0, 0, 0, 2], [0, 2, 0, 1]], True),  # out of order, one axis
+        ([[0, 0, 0, 2], [0, 1, 0, 0]], False),  # overlap
+        ([[0, 0, 0, 2], [0, 3, 0, 0]], False),  # a gap
+        ([[0, 0, 0, 3], [1, 2, 0, 0]], False),  # two axes padded
+    ],
+)
+def test_zero_pads_tiling_one_axis_sum_as_a_concat(pads, tiles):
+    """A Sum of zero Pads (the adjoints of Slices) whose pieces tile one axis,
+    each once, is their Concat; anything else is left as it was."""
+    import onnxruntime as ort
+
+    from ortbridge._engines._scatter_sums import concat_scatter_sums
+
+    rng = np.random.default_rng(0)
+    feeds, nodes, inits, summed = {}, [], [], []
+    for i, p in enumerate(pads):
+        shape = [2 - p[0] - p[2], 4 - p[1] - p[3]]
+        feeds[f"x{i}"] = rng.standard_normal(shape).astype(np.float32)
+        inits.append(numpy_helper.from_array(np.array(p, np.int64), f"p{i}"))
+        nodes.append(helper.make_node("Pad", [f"x{i}", f"p{i}"], [f"y{i}"]))
+        summed.append(f"y{i}")
+    graph = helper.make_graph(
+        [*nodes, helper.make_node("Sum", summed, ["out"])],
+        "tiles",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape) for k, v in feeds.items()],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 4])],
+        inits,
+    )
+    model, rewritten = make_model(graph), make_model(graph)
+    concat_scatter_sums(rewritten)
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, feeds)[0]
+
+    np.testing.assert_array_equal(run(rewritten), run(model))
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert ops == (["Concat"] if tiles else ["Pad"] * len(pads) + ["Sum"]), ops
+
+
+@needs_engine
+def test_lstm_gate_slices_adjoints_are_concats():
+    """An LSTM's weights are cut into four gates (Slices): their adjoints, zero
+    Pads summed, become Concats; gradients as torch's."""
+
+    class Lstm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(3, 4, batch_first=True)
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    torch.manual_seed(0)
+    model = Lstm()
+    x = torch.randn(2, 5, 3)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    needs = [True] * (1 + len(list(layer.named_onnx_parameters())))
+    built = layer._bridge.gradient_graph("train", needs, x.device, [x])
+    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    assert "Pad" not in ops and "Concat" in ops, ops
+
+
 @needs_engine
 def test_rewritten_backward_keeps_no_unread_initializer():
     """The pool and convolution rewrites leave the index path's constants unread:

@@ -187,7 +187,14 @@ def test_affinities_refused_still_give_a_session(monkeypatch):
 
 
 _SPINNING = """
-import json, time, torch
+import json, os, time
+# libgomp counts the cores it may use when it loads, and spins little where its
+# threads outnumber them: the test's process may have left this thread on one.
+try:
+    os.sched_setaffinity(0, range(os.cpu_count()))
+except OSError:  # cores this process may not use
+    pass
+import torch
 from ortbridge import _threads
 
 def parallel_op():  # big enough for ATen's parallel_for: the OpenMP workers join, then spin
