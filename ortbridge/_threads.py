@@ -102,8 +102,20 @@ def _load_pause():
     return False
 
 
+def _forked_child() -> None:
+    # The OpenMP pool a forked child inherits names threads the fork did not
+    # copy: pausing it would wait for them forever.
+    global _pause
+    _pause = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked_child)
+
+
 def rest_openmp() -> bool:
-    """Stop torch's idle OpenMP workers now; False where its runtime cannot."""
+    """Stop torch's idle OpenMP workers now; False where its runtime cannot, and
+    in a forked child."""
     global _pause
     if _pause is None:
         _pause = _load_pause()

@@ -241,6 +241,34 @@ def test_resting_stops_torch_openmp_workers_spinning():
     assert found["after"] == 8_000_000
 
 
+_FORKED = """
+import os, torch
+from ortbridge import _threads
+torch.ones(4_000_000).mul_(2)  # the parent's OpenMP pool has its workers
+pid = os.fork()
+if pid == 0:
+    rested = _threads.rest_openmp()
+    torch.set_num_threads(1)
+    os._exit(0 if rested is False and torch.ones(8).sum().item() == 8 else 3)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_rest_the_openmp_pool_it_inherited():
+    """The pool's threads were not copied by the fork: pausing it in the child
+    waited for them forever. The child leaves it alone."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "0", run.stdout
+
+
 @pytest.mark.parametrize("rests", [True, False])
 def test_only_long_runs_of_sessions_that_spin_rest_openmp_first(monkeypatch, rests):
     calls = []
