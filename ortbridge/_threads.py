@@ -19,7 +19,7 @@ core. Before a run of a session whose last run took :data:`LONG_RUN_S` or
 more, torch's idle OpenMP workers are told to stop
 (``omp_pause_resource_all``, OpenMP 5.0: libgomp ends them, and its next
 parallel region starts new ones, about 0.1 ms). A transformer layer's step
-took 0.91x its time, a small CNN's 0.95x (2 cores); for shorter runs the
+took 0.90x its time, a small CNN's 0.90x (2 cores); for shorter runs the
 restart costs more than the spinning (an MLP's step 1.22x), so they leave
 the workers be. Only sessions whose workers spin within a run do this
 (the onnxruntime engine's): where they sleep, each parallel node wakes its

@@ -292,8 +292,8 @@ class _Built:
 
     def _run(self, session, pinning, names, tensors, out_names, devices, where):
         outputs = self._capi.OrtValueVector()
-        feeds = to_ortvalues(tensors)
         try:
+            feeds = to_ortvalues(tensors)  # outside the run the pinning times
             with pinning or UNPINNED:
                 session._sess.run_with_ortvaluevector(
                     self._run_options, names, feeds, out_names, outputs, devices

@@ -38,10 +38,18 @@ def weight_products(model: onnx.ModelProto) -> None:
         return
     if any(n.op_type == "ReduceSum" for n in model.graph.node):
         constants = _constants(model.graph)
-        replace_nodes(model.graph, lambda node: _summed_batches(node, found, constants))
-        found = facts(model)
-        if found is None:
-            return
+        summed = []
+
+        def flatten(node):
+            nodes = _summed_batches(node, found, constants)
+            summed.append(nodes is not None)
+            return nodes
+
+        replace_nodes(model.graph, flatten)
+        if any(summed):  # the new tensors' shapes
+            found = facts(model)
+            if found is None:
+                return
     replace_nodes(model.graph, lambda node: _rewrite(node, found))
 
 
