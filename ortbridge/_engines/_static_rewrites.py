@@ -15,6 +15,7 @@ from ._conv_grad import conv_input_gradients, conv_weight_gradients
 from ._norm_stats import forward_norm_statistics
 from ._pool_grad import maxpool_gradients
 from ._reductions import fast_reductions
+from ._scan_sums import hoisted_scan_sums
 from ._scatter_sums import concat_scatter_sums
 from ._simplify import collapse_views, simplify
 from ._weight_products import weight_products
@@ -28,12 +29,14 @@ def before_split(reverse: onnx.ModelProto) -> None:
 
 
 def after_split(backward: onnx.ModelProto, forward: onnx.ModelProto) -> None:
-    """The backward graph's products, pools and sums in their cheaper forms."""
+    """The backward graph's products, pools and sums in their cheaper forms
+    (a Scan's step sums taken once after it)."""
     conv_weight_gradients(backward)
     conv_input_gradients(backward)
     maxpool_gradients(backward, forward)
     concat_scatter_sums(backward)
     weight_products(backward)
+    hoisted_scan_sums(backward)
     # The seed axis added and dropped: views that collapse (and what the
     # rewrites above left unread goes).
     collapse_views(backward)
