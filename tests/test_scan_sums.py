@@ -110,6 +110,23 @@ def _scan_model(
     return make_model(graph)
 
 
+def _run(*models) -> list:
+    """Each model's outputs from onnxruntime, on the same random inputs."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    feeds = {
+        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
+        for i in models[0].graph.input
+    }
+    feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
+    runs = []
+    for m in models:
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        runs.append(session.run(None, feeds))
+    return runs
+
+
 @pytest.mark.parametrize(
     "case, hoisted",
     [
@@ -126,23 +143,9 @@ def _scan_model(
 def test_scan_state_summing_step_products_is_one_product_after_the_loop(case, hoisted):
     """The sum is taken once after the Scan where each step's term can be
     stacked in the same order; the Scan's outputs are the same."""
-    import onnxruntime as ort
-
     model, rewritten = _scan_model(**case), _scan_model(**case)
     hoisted_scan_sums(rewritten)
-    rng = np.random.default_rng(0)
-    feeds = {
-        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(
-            np.float32
-        )
-        for i in model.graph.input
-    }
-
-    def run(m):
-        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, feeds)
-
-    for got, want in zip(run(rewritten), run(model)):
+    for got, want in zip(*_run(rewritten, model)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
     states = len(scan.input) - 2
@@ -199,3 +202,91 @@ def test_recurrent_weight_gradients_are_not_loop_states(rnn, states):
     for scan in scans:
         n_scan_in = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
         assert len(scan.input) - n_scan_in == states, scan.input
+
+
+def _seeded_scan_model(broken=None):
+    """A Scan carrying an adjoint ``a`` (N, M, 1) with a trailing unit (seed)
+    axis: each step multiplies it by a primal value given that axis
+    (Unsqueeze), adds a per-step adjoint, and takes a product with the axis
+    moved to the front and back (Transposes) and a no-op Expand.
+
+    ``broken``: "broadcast" (an operand broadcasts along the unit axis) or
+    "op" (a node the rewrite does not follow reads an adjoint).
+    """
+    nodes = [
+        helper.make_node("Unsqueeze", ["p_t", "last"], ["p_up"]),
+        helper.make_node("Mul", ["a", "p_up"], ["ap"]),
+        helper.make_node("Sum", ["ap", "g_t", "half"], ["s"]),
+        helper.make_node("Transpose", ["s"], ["front"], perm=[2, 0, 1]),
+        helper.make_node("MatMul", ["front", "w"], ["q"]),
+        helper.make_node("Transpose", ["q"], ["back"], perm=[1, 2, 0]),
+        helper.make_node("Tanh", ["back"], ["a_next"]),
+        helper.make_node("Expand", ["a_next", "ones"], ["full"]),
+        helper.make_node("Identity", ["full"], ["out_t"]),
+    ]
+    if broken == "broadcast":
+        nodes.append(helper.make_node("Add", ["a", "row"], ["wide"]))
+    elif broken == "op":
+        nodes.append(helper.make_node("Softmax", ["a"], ["wide"], axis=0))
+    extra = [helper.make_tensor_value_info("wide", F, None)] if broken else []
+    row = [numpy_helper.from_array(np.linspace(-1, 1, M).astype(np.float32), "row")]
+    row = row if broken == "broadcast" else []
+    body = helper.make_graph(
+        nodes,
+        "body",
+        [
+            helper.make_tensor_value_info("a", F, [N, M, 1]),
+            helper.make_tensor_value_info("p_t", F, [N, M]),
+            helper.make_tensor_value_info("g_t", F, [N, M, 1]),
+        ],
+        [
+            helper.make_tensor_value_info("a_next", F, [N, M, 1]),
+            helper.make_tensor_value_info("out_t", F, [N, M, 1]),
+            *extra,
+        ],
+        [
+            numpy_helper.from_array(np.array([2], np.int64), "last"),
+            numpy_helper.from_array(np.array([1, 1, 1], np.int64), "ones"),
+            numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+            *row,
+        ],
+    )
+    outputs = ["a_last", "outs"] + (["wides"] if broken else [])
+    scan = helper.make_node(
+        "Scan", ["a0", "ps", "gs"], outputs, body=body, num_scan_inputs=2,
+        scan_input_directions=[1, 0],
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [scan],
+        "seeded",
+        [
+            helper.make_tensor_value_info("a0", F, [N, M, 1]),
+            helper.make_tensor_value_info("ps", F, [T, N, M]),
+            helper.make_tensor_value_info("gs", F, [T, N, M, 1]),
+        ],
+        [helper.make_tensor_value_info(o, F, None) for o in outputs],
+        [numpy_helper.from_array(np.eye(M, dtype=np.float32)[::-1] * 0.7, "w")],
+    )
+    return make_model(graph)
+
+
+@pytest.mark.parametrize("broken", [None, "broadcast", "op"])
+def test_scan_body_adjoints_lose_the_unit_seed_axis(broken):
+    """The adjoints' unit axis is squeezed before the Scan and restored after:
+    inside, no Unsqueeze and no Transpose is left; the outputs are the same.
+    A body where a node cannot follow is left as it was."""
+    from ortbridge._engines._scan_seed_axis import scan_bodies_without_seed_axis
+
+    model, rewritten = _seeded_scan_model(broken), _seeded_scan_model(broken)
+    scan_bodies_without_seed_axis(rewritten)
+    for got, want in zip(*_run(rewritten, model)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
+    body = next(a.g for a in scan.attribute if a.name == "body")
+    ops = [n.op_type for n in body.node]
+    if broken:
+        assert rewritten.graph == model.graph
+    else:
+        assert "Unsqueeze" not in ops and "Transpose" not in ops, ops
+        assert len(body.input[0].type.tensor_type.shape.dim) == 2

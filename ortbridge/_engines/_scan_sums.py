@@ -34,19 +34,27 @@ _STD = ("", "ai.onnx")
 
 def hoisted_scan_sums(model: onnx.ModelProto) -> None:
     """Rewrite ``model``'s main-graph Scans in place (static shapes)."""
+    opset = _opset(model)
+    # Scan-8 leads with sequence lengths.
+    rewrite_scans(model, lambda scan, seen, _, taken: _hoist(scan, seen, opset, taken), 9)
+
+
+def rewrite_scans(model: onnx.ModelProto, rewrite, min_opset: int) -> None:
+    """Each main-graph Scan replaced by ``rewrite(scan, its body with inferred
+    shapes, the main graph's shapes, the names taken)``'s nodes, where not None."""
     if not any(n.op_type == "Scan" and n.domain in _STD for n in model.graph.node):
         return
-    if _opset(model) < 9:  # Scan-8 leads with sequence lengths
+    if _opset(model) < min_opset:
         return
     inferred = _inferred(model)
     if inferred is None:
         return
     taken = _names(model.graph)
-    opset = _opset(model)
+    outer = _shapes(inferred.graph)  # what bodies read from outside
     rewritten = []
     for node, seen in zip(model.graph.node, inferred.graph.node):
         if node.op_type == "Scan" and node.domain in _STD:
-            rewritten.extend(_hoist(node, _body(seen), opset, taken) or [node])
+            rewritten.extend(rewrite(node, _body(seen), outer, taken) or [node])
         else:
             rewritten.append(node)
     del model.graph.node[:]
