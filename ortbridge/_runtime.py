@@ -7,6 +7,8 @@ engines (:mod:`._engines`) build their gradient graphs over these helpers.
 
 from __future__ import annotations
 
+import contextlib
+
 import onnx
 import torch
 from torch.utils.dlpack import to_dlpack
@@ -203,11 +205,34 @@ def _session(model, device, session_options, providers, spin_within_runs=False):
     if device.type != "cpu":
         return create(so), None
     try:
-        return start_pinned(create, so, so.intra_op_num_threads - 1, spin_within_runs)
+        session, pinning = start_pinned(create, so, so.intra_op_num_threads - 1, spin_within_runs)
     except OnnxModelError:
         # The model, or thread affinities this onnxruntime refuses: once
         # more without them, so that only the model's own error comes out.
-        return create(default_session_options(device, spin_within_runs)), None
+        session, pinning = create(default_session_options(device, spin_within_runs)), None
+    if spin_within_runs:
+        stop_spinning(session)
+    return session, pinning
+
+
+#: An output name no graph ortbridge runs has (see :func:`stop_spinning`).
+_NO_OUTPUT = "ortbridge::no-such-output"
+
+
+def stop_spinning(session) -> None:
+    """Stop the spinning a new session's workers start in.
+
+    A pool created with spinning allowed spins (about 30 ms of a core per
+    worker on a 2-core machine) until a run with ``session.force_spinning_stop``
+    ends, so each session created and not yet run took that from torch, and
+    a layer's first shapes create several. A run asking for an output the
+    graph lacks enters the runtime's run, which stops the spinning on its
+    way out, and fails before any node runs (onnxruntime 1.19.2 and 1.31.1).
+    """
+    if any(o.name == _NO_OUTPUT for o in session.get_outputs()):
+        return
+    with contextlib.suppress(Exception):
+        session._sess.run([_NO_OUTPUT], {}, None)
 
 
 class SessionHolder:

@@ -362,6 +362,20 @@ def test_in_place_change_of_a_saved_output_raises():
 
 @needs_engine
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: no worker to spin")
+def test_new_sessions_workers_do_not_spin_before_their_first_run():
+    """A pool allowed to spin starts spinning; the engine stops it when it
+    creates the session, so layers just built leave the cores to torch."""
+    import time
+
+    layers = [OnnxModule(linear_model(64, 64), backend=ORT) for _ in range(4)]
+    start = time.process_time()
+    time.sleep(0.05)
+    busy = time.process_time() - start
+    assert busy < 0.005, f"{busy * 1e3:.1f} ms of CPU in 50 ms after building {len(layers)} layers"
+
+
+@needs_engine
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: no worker to spin")
 def test_workers_stop_spinning_when_a_run_returns():
     """The engine's workers may spin within a run; the CPU time of the process
     while it sleeps right after backward runs shows none left spinning (one

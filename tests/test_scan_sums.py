@@ -290,3 +290,59 @@ def test_scan_body_adjoints_lose_the_unit_seed_axis(broken):
     else:
         assert "Unsqueeze" not in ops and "Transpose" not in ops, ops
         assert len(body.input[0].type.tensor_type.shape.dim) == 2
+
+
+def _repeated_outputs_model(direction):
+    """A Scan whose body returns ``v = tanh(x_t + s)`` as its next state, as two
+    scan outputs (the second stacked in ``direction``) and ``x_t`` as it came,
+    each through an Identity."""
+    nodes = [
+        helper.make_node("Add", ["x_t", "s"], ["xs"]),
+        helper.make_node("Tanh", ["xs"], ["v"]),
+        helper.make_node("Identity", ["v"], ["v_copy"]),
+        helper.make_node("Identity", ["v_copy"], ["s_next"]),
+        helper.make_node("Identity", ["v"], ["out_1"]),
+        helper.make_node("Identity", ["v"], ["out_2"]),
+        helper.make_node("Identity", ["x_t"], ["out_3"]),
+    ]
+    body = helper.make_graph(
+        nodes,
+        "body",
+        [helper.make_tensor_value_info(n, F, [N, M]) for n in ("s", "x_t")],
+        [helper.make_tensor_value_info(n, F, None) for n in ("s_next", "out_1", "out_2", "out_3")],
+    )
+    outputs = ["s_last", "outs_1", "outs_2", "outs_3"]
+    scan = helper.make_node(
+        "Scan", ["s0", "xs_in"], outputs, body=body, num_scan_inputs=1,
+        scan_output_directions=[0, direction, 0],
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [scan],
+        "repeats",
+        [
+            helper.make_tensor_value_info("s0", F, [N, M]),
+            helper.make_tensor_value_info("xs_in", F, [T, N, M]),
+        ],
+        [helper.make_tensor_value_info(o, F, None) for o in outputs],
+    )
+    return make_model(graph)
+
+
+@pytest.mark.parametrize("direction", [0, 1])
+def test_scan_body_returns_each_value_once_without_identities(direction):
+    """A repeated scan output goes (reversed after the loop where it was stacked
+    in the other order); an output that is an Identity of a computed value
+    names that value. An input passed through keeps its Identity."""
+    from ortbridge._engines._scan_outputs import scan_outputs_without_copies
+
+    model, rewritten = _repeated_outputs_model(direction), _repeated_outputs_model(direction)
+    scan_outputs_without_copies(rewritten)
+    got, want = _run(rewritten, model)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
+    body = next(a.g for a in scan.attribute if a.name == "body")
+    assert len(scan.output) == 3
+    assert sorted(n.op_type for n in body.node) == ["Add", "Identity", "Identity", "Tanh"]
+    assert next(n for n in body.node if n.op_type == "Tanh").output[0] == "s_next"

@@ -25,7 +25,7 @@ from onnx import helper
 from .._graph_lookup import _unique
 from .._onnx_utils import node_reads
 from ._optimize import _const, _perm
-from ._scan_sums import _STD, _body, _ints, _shapes, rewrite_scans
+from ._scan_sums import _GRAPHS, _STD, _body, _ints, _shapes, rewrite_scans
 from ._simplify import _constants, _live, _static
 
 #: Elementwise ops (numpy broadcasting) the rewrite follows.
@@ -33,9 +33,6 @@ _ELEMENTWISE = frozenset(
     {"Add", "Sub", "Mul", "Div", "Sum", "Neg", "Identity", "Sigmoid", "Tanh", "Relu", "Exp"}
     | {"Log", "Sqrt", "Reciprocal", "Abs"}
 )
-
-
-_GRAPHS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
 def scan_bodies_without_seed_axis(model: onnx.ModelProto) -> None:

@@ -30,6 +30,7 @@ from ._simplify import _live, _static, reshape
 #: every step (their other operands constant).
 _LINEAR = frozenset({"Identity", "Transpose", "Reshape", "Expand", "Squeeze", "Unsqueeze"})
 _STD = ("", "ai.onnx")
+_GRAPHS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
 def hoisted_scan_sums(model: onnx.ModelProto) -> None:
