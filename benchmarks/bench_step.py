@@ -50,6 +50,19 @@ LR = 0.01
 _OPENMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")
 
 
+def _cpu_model() -> str:
+    """The processor's name: the ratios to torch depend on it (torch's BLAS
+    and onnxruntime's do not rank the same on every CPU)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _no_mark(name):
     pass
 
@@ -245,6 +258,7 @@ def main(argv=None) -> int:
     suffix = "" if device.type == "cpu" else f"_{device.type}"
     info = {
         "machine": platform.machine(),
+        "cpu": _cpu_model(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
