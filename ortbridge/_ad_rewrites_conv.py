@@ -16,7 +16,8 @@ shape inference and onnxruntime-training 1.19 let one).
 
 onnx-ad refuses the weight of a grouped Conv and of a ConvTranspose: those
 become one Conv per group (``Split``, ``Concat``) and a stride-1 Conv over a
-zero-inserted input with the flipped weight. They need static channel (and,
+zero-inserted input with the flipped weight (one MatMul where the
+ConvTranspose's windows tile its output). They need static channel (and,
 for ConvTranspose, spatial) sizes; the batch may be dynamic.
 """
 
@@ -229,6 +230,8 @@ def conv_transpose(node, b: NodeBuilder, shape, is_constant):
             return None
         return [copy_node(node, drop=["auto_pad", "output_shape"], pads=begin + end)]
     channels = xs[1]
+    if group == 1 and kernel == strides and set(dilations) == {1} and not any(begin + end):
+        return _patches(node, b, (x, w), channels, ws[1], kernel, spatial)
     up, lengths = x, list(spatial)
     if any(s > 1 for s in strides):
         # zero insertion: [.., n, 1] padded to [.., n, s] and merged is x with s-1 zeros after each
@@ -256,6 +259,29 @@ def conv_transpose(node, b: NodeBuilder, shape, is_constant):
         b.op("Conv", *[n for n in (source, filters, bias) if n], **attrs)
     else:
         per_group(b, source, filters, bias, (channels, cout, group), attrs)
+    return b.replacing(node)
+
+
+def _patches(node, b: NodeBuilder, operands, channels, cout, kernel, spatial):
+    """A ConvTranspose whose windows tile the output (kernel = strides, no pads):
+    each input pixel's channels times the weight is one output patch. One MatMul
+    ``[N, *spatial, C] @ [C, cout * k..]`` and the patches put in place, instead
+    of a Conv over an input with zeros inserted (k^rank times the work; on 2
+    cores the UNet decoder's forward Conv took 2 ms)."""
+    x, w = operands
+    rank = len(kernel)
+    pixels = b.op("Transpose", x, perm=[0, *range(2, 2 + rank), 1])
+    flat = b.op("Reshape", w, ints(b, [channels, cout * math.prod(kernel)]))
+    patches = b.op("MatMul", pixels, flat)
+    patches = b.op("Reshape", patches, ints(b, [0, *spatial, cout, *kernel]))
+    # [N, n.., cout, k..] -> [N, cout, n_1, k_1, n_2, k_2, ..]
+    interleaved = [v for i in range(rank) for v in (1 + i, 2 + rank + i)]
+    placed = b.op("Transpose", patches, perm=[0, 1 + rank, *interleaved])
+    sizes = [n * k for n, k in zip(spatial, kernel)]
+    out = b.op("Reshape", placed, ints(b, [0, cout, *sizes]))
+    if len(node.input) > 2 and node.input[2]:
+        bias = b.op("Reshape", node.input[2], ints(b, [cout] + [1] * rank))
+        b.op("Add", out, bias)
     return b.replacing(node)
 
 

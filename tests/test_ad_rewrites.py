@@ -283,6 +283,25 @@ def test_conv_transpose_weight_gradient(x, w, attrs):
     assert "ConvTranspose" not in _ops(rewritten)
 
 
+@pytest.mark.parametrize(
+    "x, w, bias",
+    [
+        ([2, 3, 4, 3], [3, 2, 2, 2], True),
+        ([3, 2, 5], [2, 4, 3], False),
+        ([1, 2, 2, 3, 2], [2, 3, 2, 1, 2], True),
+    ],
+    ids=["2d", "1d-no-bias", "3d"],
+)
+def test_conv_transpose_whose_windows_tile_the_output_is_one_matmul(x, w, bias):
+    """kernel = strides, no pads (a UNet's up-convolution): the trained weight's
+    ConvTranspose is one MatMul and the patches put in place, no Conv."""
+    inputs = [("x", F, x), ("w", F, w)] + ([("b", F, [w[1]])] if bias else [])
+    model = _one("ConvTranspose", inputs, strides=w[2:])
+    rewritten = _check(model, [name for name, *_ in inputs])
+    assert "MatMul" in _ops(rewritten), _ops(rewritten)
+    assert not {"Conv", "ConvTranspose", "Pad"} & set(_ops(rewritten)), _ops(rewritten)
+
+
 @pytest.mark.parametrize("mode", ["SAME_UPPER", "SAME_LOWER"])
 def test_conv_transpose_with_a_constant_weight_gets_explicit_pads(mode):
     weight = {"w": np.random.default_rng(0).standard_normal((2, 2, 2, 3)).astype(np.float32)}

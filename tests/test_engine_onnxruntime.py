@@ -153,11 +153,13 @@ def _saved_bytes(module, x) -> int:
 
 @needs_engine
 def test_backward_keeps_no_copy_of_an_input():
-    """The zero-interleaved, padded input a ConvTranspose becomes is redone in the
-    backward, not saved: a UNet decoder block keeps at most 1.2x torch's bytes."""
+    """The zero-interleaved, padded input a ConvTranspose with overlapping windows
+    becomes is redone in the backward, not saved: a UNet decoder block keeps at
+    most 1.2x torch's bytes."""
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.ConvTranspose2d(8, 4, 2, stride=2), nn.GroupNorm(2, 4), nn.ReLU(),
+        nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1),
+        nn.GroupNorm(2, 4), nn.ReLU(),
         nn.Upsample(scale_factor=2, mode="bilinear"), nn.Conv2d(4, 2, 3, padding=1),
     )  # fmt: skip
     x = torch.randn(2, 8, 6, 6)
