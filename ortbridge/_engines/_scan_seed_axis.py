@@ -25,7 +25,7 @@ from onnx import helper
 from .._graph_lookup import _unique
 from .._onnx_utils import node_reads
 from ._optimize import _const, _perm
-from ._scan_sums import _GRAPHS, _STD, _body, _ints, _shapes, rewrite_scans
+from ._scan_sums import _GRAPHS, _STD, _ints, _loop_inputs, _shapes, rewrite_scans
 from ._simplify import _constants, _live, _static
 
 #: Elementwise ops (numpy broadcasting) the rewrite follows.
@@ -43,11 +43,10 @@ def scan_bodies_without_seed_axis(model: onnx.ModelProto) -> None:
 
 def _without_seed_axis(scan, seen, outer, taken) -> list | None:
     """Squeezes, the Scan with its body rewritten, Unsqueezes; None where it cannot be."""
-    body = _body(scan)
-    n_scan_in = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
-    n_states = len(scan.input) - n_scan_in
-    if n_states < 0 or len(body.input) != len(scan.input):
+    layout = _loop_inputs(scan)
+    if layout is None:
         return None
+    body, n_states, n_scan_in = layout
     n_scan_out = len(body.output) - n_states
     in_axes = _ints(scan, "scan_input_axes", n_scan_in)
     out_axes = _ints(scan, "scan_output_axes", n_scan_out)

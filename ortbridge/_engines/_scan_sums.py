@@ -70,6 +70,17 @@ def _body(node) -> onnx.GraphProto:
     return next(a.g for a in node.attribute if a.name == "body")
 
 
+def _loop_inputs(scan) -> tuple[onnx.GraphProto, int, int] | None:
+    """A Scan's body, its number of states and of scan inputs; None where the
+    body's inputs do not match the node's."""
+    body = _body(scan)
+    n_scan_in = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
+    n_states = len(scan.input) - n_scan_in
+    if n_states < 0 or len(body.input) != len(scan.input):
+        return None
+    return body, n_states, n_scan_in
+
+
 def _names(graph: onnx.GraphProto) -> set[str]:
     """Every name in ``graph`` and the graphs inside it (one namespace in ONNX)."""
     names = _all_names(graph)

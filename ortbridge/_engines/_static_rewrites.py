@@ -15,6 +15,7 @@ from ._conv_grad import conv_input_gradients, conv_weight_gradients
 from ._norm_stats import forward_norm_statistics
 from ._pool_grad import maxpool_gradients
 from ._reductions import fast_reductions
+from ._scan_hoist import hoisted_step_work
 from ._scan_outputs import scan_outputs_without_copies
 from ._scan_seed_axis import scan_bodies_without_seed_axis
 from ._scan_sums import hoisted_scan_sums
@@ -40,6 +41,7 @@ def after_split(backward: onnx.ModelProto, forward: onnx.ModelProto) -> None:
     weight_products(backward)
     hoisted_scan_sums(backward)
     scan_bodies_without_seed_axis(backward)
+    hoisted_step_work(backward)
     scan_outputs_without_copies(backward)
     # The seed axis added and dropped: views that collapse (and what the
     # rewrites above left unread goes).

@@ -1,0 +1,110 @@
+"""The onnxruntime engine's backward Scans: per-step work reading no state runs before the loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from test_scan_sums import _run
+
+from ortbridge._engines._scan_hoist import hoisted_step_work
+from ortbridge._onnx_utils import make_model
+
+T, N, K, M = 5, 3, 4, 2
+F = TensorProto.FLOAT
+
+
+def _model(x_direction, y_direction):
+    """A Scan with state ``s``: ``g = sigmoid(x_t @ W^T + y_t)`` and ``1 - g``
+    read no state (W from outside, 1 a body initializer); ``s_next = s * (1 - g)
+    + g``; ``g`` is also a scan output; ``z_t + B`` (z_t of shape (M,), B (N, M))
+    reads no state either but cannot be stacked on a new first axis."""
+    nodes = [
+        helper.make_node("Transpose", ["w"], ["w_t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x_t", "w_t"], ["xw"]),
+        helper.make_node("Add", ["xw", "y_t"], ["pre"]),
+        helper.make_node("Sigmoid", ["pre"], ["g"]),
+        helper.make_node("Sub", ["one", "g"], ["keep"]),
+        helper.make_node("Mul", ["s", "keep"], ["kept"]),
+        helper.make_node("Add", ["kept", "g"], ["s_next"]),
+        helper.make_node("Identity", ["g"], ["g_out"]),
+        helper.make_node("Add", ["z_t", "b"], ["zb"]),
+        helper.make_node("Mul", ["zb", "s"], ["zs"]),
+    ]
+    body = helper.make_graph(
+        nodes,
+        "body",
+        [
+            helper.make_tensor_value_info("s", F, [N, M]),
+            helper.make_tensor_value_info("x_t", F, [N, K]),
+            helper.make_tensor_value_info("y_t", F, [N, M]),
+            helper.make_tensor_value_info("z_t", F, [M]),
+        ],
+        [helper.make_tensor_value_info(n, F, None) for n in ("s_next", "g_out", "zs")],
+        [numpy_helper.from_array(np.array(1.0, dtype=np.float32), "one")],
+    )
+    outputs = ["s_last", "gs", "zss"]
+    scan = helper.make_node(
+        "Scan", ["s0", "xs", "ys", "zs_in"], outputs, body=body, num_scan_inputs=3,
+        scan_input_directions=[x_direction, y_direction, 0],
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [scan],
+        "hoist",
+        [
+            helper.make_tensor_value_info("s0", F, [N, M]),
+            helper.make_tensor_value_info("xs", F, [T, N, K]),
+            helper.make_tensor_value_info("ys", F, [T, N, M]),
+            helper.make_tensor_value_info("zs_in", F, [T, M]),
+            helper.make_tensor_value_info("w", F, [M, K]),
+            helper.make_tensor_value_info("b", F, [N, M]),
+        ],
+        [helper.make_tensor_value_info(o, F, None) for o in outputs],
+    )
+    return make_model(graph)
+
+
+@pytest.mark.parametrize(("x_direction", "y_direction"), [(0, 0), (1, 1), (0, 1), (1, 0)])
+def test_step_work_that_reads_no_state_runs_once_before_the_loop(x_direction, y_direction):
+    """The product with the transposed weight, the gate and ``1 - g`` run on the
+    stacked steps (steps stacked in opposite orders: one side reversed); what
+    reads the state, returns a value, or would broadcast wrongly stays."""
+    model, rewritten = _model(x_direction, y_direction), _model(x_direction, y_direction)
+    hoisted_step_work(rewritten)
+    got, want = _run(rewritten, model)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
+    body = next(a.g for a in scan.attribute if a.name == "body")
+    inside = sorted(n.op_type for n in body.node)
+    assert inside == ["Add", "Add", "Identity", "Mul", "Mul"], inside
+    before = [n.op_type for n in rewritten.graph.node[: list(rewritten.graph.node).index(scan)]]
+    assert {"Transpose", "MatMul", "Sigmoid", "Sub"} <= set(before), before
+    assert before.count("Slice") == (x_direction != y_direction), before
+    # x_t and y_t are read by nothing left in the body: no longer scanned
+    assert "x_t" not in {i.name for i in body.input} and "y_t" not in {i.name for i in body.input}
+
+
+def test_a_nested_body_reading_a_moved_value_leaves_the_scan_alone():
+    """A value the same at every step that an If's branch reads stays in the body
+    (the branch would read a name that moved)."""
+    model = _model(0, 0)
+    scan = model.graph.node[0]
+    body = next(a.g for a in scan.attribute if a.name == "body")
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["w_t"], ["w_t_copy"])],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("w_t_copy", F, None)],
+    )
+    body.node.extend(
+        [
+            helper.make_node("Constant", [], ["yes"], value=helper.make_tensor("c", 9, [], [1])),
+            helper.make_node("If", ["yes"], ["w_again"], then_branch=branch, else_branch=branch),
+        ]
+    )
+    body.output.append(helper.make_tensor_value_info("w_again", F, None))
+    scan.output.append("w_agains")
+    before = model.SerializeToString()
+    hoisted_step_work(model)
+    assert model.SerializeToString() == before
