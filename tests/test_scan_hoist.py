@@ -108,3 +108,37 @@ def test_a_nested_body_reading_a_moved_value_leaves_the_scan_alone():
     before = model.SerializeToString()
     hoisted_step_work(model)
     assert model.SerializeToString() == before
+
+
+def test_a_loop_whose_steps_all_moved_keeps_a_scan_input_for_its_length():
+    """Nothing left in the body reads a step: one scan input stays, so the loop
+    still runs as many steps."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Sigmoid", ["x_t"], ["g"]),
+            helper.make_node("Mul", ["s", "two"], ["s_twice"]),
+            helper.make_node("Add", ["s_twice", "g"], ["unused"]),
+            helper.make_node("Identity", ["s_twice"], ["s_next"]),
+        ],
+        "body",
+        [helper.make_tensor_value_info(n, F, [N, M]) for n in ("s", "x_t")],
+        [helper.make_tensor_value_info("s_next", F, None)],
+        [numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two")],
+    )
+    scan = helper.make_node("Scan", ["s0", "xs"], ["s_last"], body=body, num_scan_inputs=1)
+    graph = helper.make_graph(
+        [scan],
+        "length",
+        [
+            helper.make_tensor_value_info("s0", F, [N, M]),
+            helper.make_tensor_value_info("xs", F, [T, N, M]),
+        ],
+        [helper.make_tensor_value_info("s_last", F, None)],
+    )
+    model = make_model(graph)
+    rewritten = make_model(graph)
+    hoisted_step_work(rewritten)
+    (got,), (want,) = _run(rewritten, model)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
+    assert list(scan.input) == ["s0", "xs"], list(scan.input)

@@ -17,7 +17,9 @@ A node moves when its operands are per-step values (scan inputs along axis
 and stacking the steps along a new first axis computes the same thing:
 elementwise ops where each per-step operand has the result's rank and the
 others no more; MatMul where the stacked axis lands in the batch axes;
-Transpose. Anything else, and every value a body output names, stays.
+Transpose. Anything else, and every value a body output names, stays. The moved
+per-step values are held for all steps during the run (the forward keeps
+as many for the backward already).
 """
 
 from __future__ import annotations
@@ -163,6 +165,11 @@ def _hoisted(scan, seen, outer, taken) -> list | None:
         outer_inputs.append(moved.outer_name[v])
         axes.append(0)
         dirs.append(moved.direction[v])
+    if not axes and n_scan_in:  # the loop's length is its scan inputs': one stays
+        inputs.append(body.input[n_states])
+        outer_inputs.append(scan.input[n_states])
+        axes.append(in_axes[0])
+        dirs.append(in_dirs[0])
     del body.input[:]
     body.input.extend(inputs)
     del body.node[:]
