@@ -1,4 +1,4 @@
-"""The onnxruntime engine's backward Scans: per-step work reading no state runs before the loop."""
+"""The onnxruntime engine's Scans: step work reading no state before the loop, products joined."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 from test_scan_sums import _run
 
 from ortbridge._engines._scan_hoist import hoisted_step_work
+from ortbridge._engines._scan_products import fused_scan_products
 from ortbridge._onnx_utils import make_model
 
 T, N, K, M = 5, 3, 4, 2
@@ -142,3 +143,64 @@ def test_a_loop_whose_steps_all_moved_keeps_a_scan_input_for_its_length():
     np.testing.assert_allclose(got, want, rtol=1e-6)
     scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
     assert list(scan.input) == ["s0", "xs"], list(scan.input)
+
+
+def _products_model(read_elsewhere):
+    """A Scan over x_t with state h: ``p_i = h @ W_i`` (three products of h), and
+    ``h_next = tanh(Sum(a_i @ V_i))`` with ``a_i = p_i * x_t``; with
+    ``read_elsewhere`` one ``a_1 @ V_1`` is also a scan output."""
+    ws = [f"w{i}" for i in range(3)]
+    vs = [f"v{i}" for i in range(3)]
+    nodes = []
+    for i in range(3):
+        nodes += [
+            helper.make_node("MatMul", ["h", ws[i]], [f"p{i}"]),
+            helper.make_node("Mul", [f"p{i}", "x_t"], [f"a{i}"]),
+            helper.make_node("MatMul", [f"a{i}", vs[i]], [f"q{i}"]),
+        ]
+    nodes += [
+        helper.make_node("Sum", ["q0", "q1", "q2"], ["summed"]),
+        helper.make_node("Tanh", ["summed"], ["h_next"]),
+        helper.make_node("Identity", ["q1" if read_elsewhere else "p0"], ["out"]),
+    ]
+    body = helper.make_graph(
+        nodes,
+        "body",
+        [
+            helper.make_tensor_value_info("h", F, [N, K]),
+            helper.make_tensor_value_info("x_t", F, [N, M]),
+        ],
+        [helper.make_tensor_value_info(n, F, None) for n in ("h_next", "out")],
+    )
+    scan = helper.make_node("Scan", ["h0", "xs"], ["h_last", "outs"], body=body, num_scan_inputs=1)
+    weights = [helper.make_tensor_value_info(w, F, [K, M]) for w in ws]
+    weights += [helper.make_tensor_value_info(v, F, [M, K]) for v in vs]
+    graph = helper.make_graph(
+        [scan],
+        "products",
+        [
+            helper.make_tensor_value_info("h0", F, [N, K]),
+            helper.make_tensor_value_info("xs", F, [T, N, M]),
+            *weights,
+        ],
+        [helper.make_tensor_value_info(o, F, None) for o in ("h_last", "outs")],
+    )
+    return make_model(graph)
+
+
+@pytest.mark.parametrize("read_elsewhere", [False, True])
+def test_products_with_weights_from_outside_are_one_product_per_step(read_elsewhere):
+    """Products of one left operand: one product with the weights side by side and
+    a Split; a Sum of products: one product of the joined operands with the
+    weights stacked, unless one of them is read elsewhere."""
+    model, rewritten = _products_model(read_elsewhere), _products_model(read_elsewhere)
+    fused_scan_products(rewritten)
+    got, want = _run(rewritten, model)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
+    body = next(a.g for a in scan.attribute if a.name == "body")
+    inside = [n.op_type for n in body.node]
+    assert inside.count("Split") == 1, inside
+    assert inside.count("MatMul") == (4 if read_elsewhere else 2), inside
+    assert ("Sum" in inside) == read_elsewhere, inside

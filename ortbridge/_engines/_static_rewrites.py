@@ -17,6 +17,7 @@ from ._pool_grad import maxpool_gradients
 from ._reductions import fast_reductions
 from ._scan_hoist import hoisted_step_work
 from ._scan_outputs import scan_outputs_without_copies
+from ._scan_products import fused_scan_products
 from ._scan_seed_axis import scan_bodies_without_seed_axis
 from ._scan_sums import hoisted_scan_sums
 from ._scatter_sums import concat_scatter_sums
@@ -46,5 +47,8 @@ def after_split(backward: onnx.ModelProto, forward: onnx.ModelProto) -> None:
     # The seed axis added and dropped: views that collapse (and what the
     # rewrites above left unread goes).
     collapse_views(backward)
+    # Products in loop bodies, once their views have collapsed.
+    fused_scan_products(backward)
+    fused_scan_products(forward)
     fast_reductions(backward)
     drop_unread_initializers(backward.graph)
