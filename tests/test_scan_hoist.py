@@ -65,18 +65,27 @@ def _model(x_direction, y_direction):
     return make_model(graph)
 
 
+def _rewritten(build, rewrite, rtol, atol=1e-6):
+    """``rewrite`` applied to a model ``build()`` gives; its outputs checked against
+    the model's own; the rewritten Scan and its body."""
+    model, rewritten = build(), build()
+    rewrite(rewritten)
+    got, want = _run(rewritten, model)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+    scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
+    return rewritten, scan, next(a.g for a in scan.attribute if a.name == "body")
+
+
 @pytest.mark.parametrize(("x_direction", "y_direction"), [(0, 0), (1, 1), (0, 1), (1, 0)])
 def test_step_work_that_reads_no_state_runs_once_before_the_loop(x_direction, y_direction):
     """The product with the transposed weight, the gate and ``1 - g`` run on the
     stacked steps (steps stacked in opposite orders: one side reversed); what
     reads the state, returns a value, or would broadcast wrongly stays."""
-    model, rewritten = _model(x_direction, y_direction), _model(x_direction, y_direction)
-    hoisted_step_work(rewritten)
-    got, want = _run(rewritten, model)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
-    scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
-    body = next(a.g for a in scan.attribute if a.name == "body")
+    rewritten, scan, body = _rewritten(
+        lambda: _model(x_direction, y_direction), hoisted_step_work, 1e-6
+    )
     inside = sorted(n.op_type for n in body.node)
     assert inside == ["Add", "Add", "Identity", "Mul", "Mul"], inside
     before = [n.op_type for n in rewritten.graph.node[: list(rewritten.graph.node).index(scan)]]
@@ -136,12 +145,7 @@ def test_a_loop_whose_steps_all_moved_keeps_a_scan_input_for_its_length():
         ],
         [helper.make_tensor_value_info("s_last", F, None)],
     )
-    model = make_model(graph)
-    rewritten = make_model(graph)
-    hoisted_step_work(rewritten)
-    (got,), (want,) = _run(rewritten, model)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
+    _, scan, _ = _rewritten(lambda: make_model(graph), hoisted_step_work, 1e-6, atol=0)
     assert list(scan.input) == ["s0", "xs"], list(scan.input)
 
 
@@ -193,13 +197,7 @@ def test_products_with_weights_from_outside_are_one_product_per_step(read_elsewh
     """Products of one left operand: one product with the weights side by side and
     a Split; a Sum of products: one product of the joined operands with the
     weights stacked, unless one of them is read elsewhere."""
-    model, rewritten = _products_model(read_elsewhere), _products_model(read_elsewhere)
-    fused_scan_products(rewritten)
-    got, want = _run(rewritten, model)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-    scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
-    body = next(a.g for a in scan.attribute if a.name == "body")
+    _, _, body = _rewritten(lambda: _products_model(read_elsewhere), fused_scan_products, 1e-5)
     inside = [n.op_type for n in body.node]
     assert inside.count("Split") == 1, inside
     assert inside.count("MatMul") == (4 if read_elsewhere else 2), inside

@@ -37,7 +37,10 @@ from ._scan_sums import (
     _ints,
     _loop_inputs,
     _outer_constant,
+    _rebuilt,
+    _set_body,
     _shapes,
+    _types,
     rewrite_scans,
 )
 from ._simplify import _live
@@ -130,9 +133,6 @@ def _hoisted(scan, seen, outer, taken) -> list | None:
         return None
     # What the body still reads of the moved values: per-step ones as new scan
     # inputs, the others from outside.
-    read = {i for n in kept_nodes for i in node_reads(n)} | returned
-    new_inputs = [v for v in moved.direction if v in read and moved.direction[v] is not None]
-    scan_in_names = {body.input[n_states + k].name for k in range(n_scan_in)}
     renames = {
         v: moved.outer_name[v] for v, d in moved.direction.items() if d is None and v not in own
     }
@@ -145,12 +145,8 @@ def _hoisted(scan, seen, outer, taken) -> list | None:
             node.input[i] = renames.get(name, name)
     kept_nodes = _live(kept_nodes, returned)
     read = {i for n in kept_nodes for i in node_reads(n)} | returned
-    inputs, outer_inputs, axes, dirs = (
-        list(body.input[:n_states]),
-        list(scan.input[:n_states]),
-        [],
-        [],
-    )
+    inputs, outer_inputs = list(body.input[:n_states]), list(scan.input[:n_states])
+    axes, dirs = [], []
     for k in range(n_scan_in):  # scan inputs nothing reads any more go
         name = body.input[n_states + k].name
         if name in read:
@@ -158,42 +154,30 @@ def _hoisted(scan, seen, outer, taken) -> list | None:
             outer_inputs.append(scan.input[n_states + k])
             axes.append(in_axes[k])
             dirs.append(in_dirs[k])
-    for v in new_inputs:
-        if v in scan_in_names or v not in read:
+    scanned = {body.input[n_states + k].name for k in range(n_scan_in)}
+    types = _types(seen)
+    for v, direction in moved.direction.items():
+        if direction is None or v in scanned or v not in read:
             continue
-        inputs.append(helper.make_tensor_value_info(v, _elem(seen, v), None))
+        inputs.append(helper.make_tensor_value_info(v, types.get(v, onnx.TensorProto.FLOAT), None))
         outer_inputs.append(moved.outer_name[v])
         axes.append(0)
-        dirs.append(moved.direction[v])
+        dirs.append(direction)
     if not axes and n_scan_in:  # the loop's length is its scan inputs': one stays
         inputs.append(body.input[n_states])
         outer_inputs.append(scan.input[n_states])
         axes.append(in_axes[0])
         dirs.append(in_dirs[0])
-    del body.input[:]
-    body.input.extend(inputs)
-    del body.node[:]
-    body.node.extend(kept_nodes)
-    defined = {o for n in kept_nodes for o in n.output} | {i.name for i in inputs}
-    info = [vi for vi in body.value_info if vi.name in defined]
-    del body.value_info[:]
-    body.value_info.extend(info)
-    new = helper.make_node("Scan", outer_inputs, list(scan.output), scan.name, domain=scan.domain)
-    for a in scan.attribute:
-        if a.name not in ("num_scan_inputs", "scan_input_axes", "scan_input_directions"):
-            new.attribute.append(a)
-    new.attribute.append(helper.make_attribute("num_scan_inputs", len(axes)))
-    if axes:
-        new.attribute.append(helper.make_attribute("scan_input_axes", axes))
-        new.attribute.append(helper.make_attribute("scan_input_directions", dirs))
+    _set_body(body, kept_nodes, inputs)
+    new = _rebuilt(
+        scan,
+        outer_inputs,
+        list(scan.output),
+        num_scan_inputs=len(axes),
+        scan_input_axes=axes,
+        scan_input_directions=dirs,
+    )
     return [*_live(moved.nodes, set(outer_inputs) | read), new]
-
-
-def _elem(seen, name) -> int:
-    for vi in [*seen.input, *seen.value_info, *seen.output]:
-        if vi.name == name:
-            return vi.type.tensor_type.elem_type
-    return onnx.TensorProto.FLOAT
 
 
 def _move(node, moved: _Moved) -> bool:

@@ -24,7 +24,7 @@ from onnx import helper
 from .._graph_lookup import _unique
 from .._onnx_utils import subgraph_reads
 from ._optimize import _const
-from ._scan_sums import _GRAPHS, _STD, _body, _ints, rewrite_scans
+from ._scan_sums import _GRAPHS, _STD, _body, _ints, _rebuilt, _set_body, rewrite_scans
 from ._simplify import _live
 
 
@@ -75,22 +75,18 @@ def _without_copies(scan, seen, outer, taken) -> list | None:
         return None
     keep = [k for k in range(len(body.output)) if k - n_states not in repeats]
     outputs = [body.output[k] for k in keep]
-    del body.output[:]
-    body.output.extend(outputs)
-    live = _live(list(body.node), {o.name for o in body.output})
-    del body.node[:]
-    body.node.extend(live)
+    _set_body(body, _live(list(body.node), {o.name for o in outputs}), outputs=outputs)
     kept_scan = [j for j in range(n_scan_out) if j not in repeats]
     new_outputs = [scan_outputs[k] for k in keep]
     while new_outputs and not new_outputs[-1]:  # unread trailing outputs stay unnamed
         new_outputs.pop()
-    new = helper.make_node("Scan", list(scan.input), new_outputs, scan.name, domain=scan.domain)
-    for a in scan.attribute:
-        if a.name not in ("scan_output_axes", "scan_output_directions"):
-            new.attribute.append(a)
-    for name, values in (("scan_output_axes", out_axes), ("scan_output_directions", out_dirs)):
-        if kept_scan:  # an empty list has no attribute type
-            new.attribute.append(helper.make_attribute(name, [values[j] for j in kept_scan]))
+    new = _rebuilt(
+        scan,
+        list(scan.input),
+        new_outputs,
+        scan_output_axes=[out_axes[j] for j in kept_scan],
+        scan_output_directions=[out_dirs[j] for j in kept_scan],
+    )
     return [new, *after]
 
 

@@ -56,11 +56,10 @@ def _fused(scan, seen, outer, taken) -> list | None:
     before, at = [], {}  # nodes before the Scan; body node id -> nodes replacing it
     producer = {o: n for n in body_nodes for o in n.output if n.op_type == "MatMul"}
     for node in body_nodes:
-        if node.op_type == "Sum" and node.domain in _STD and len(set(node.input)) > 1:
+        distinct = len(node.input) > 1 and len(set(node.input)) == len(node.input)
+        if node.op_type == "Sum" and node.domain in _STD and distinct:
             products = [producer.get(i) for i in node.input]
-            if len(set(node.input)) == len(node.input) and all(
-                p is not None and readers.get(p.output[0]) == 1 for p in products
-            ):
+            if all(p is not None and readers.get(p.output[0]) == 1 for p in products):
                 fused = _summed(node, products, shapes, weight, taken)
                 if fused is not None:
                     before.append(fused[0])

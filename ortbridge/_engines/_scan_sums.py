@@ -81,6 +81,31 @@ def _loop_inputs(scan) -> tuple[onnx.GraphProto, int, int] | None:
     return body, n_states, n_scan_in
 
 
+def _rebuilt(scan, inputs, outputs, **replaced) -> onnx.NodeProto:
+    """``scan`` with these inputs and outputs, the attributes in ``replaced``
+    given anew (an empty list left out: it has no type, and means the default)."""
+    new = helper.make_node("Scan", inputs, outputs, scan.name, domain=scan.domain)
+    new.attribute.extend(a for a in scan.attribute if a.name not in replaced)
+    for name, value in replaced.items():
+        if value or isinstance(value, int):
+            new.attribute.append(helper.make_attribute(name, value))
+    return new
+
+
+def _set_body(body, nodes, inputs=None, outputs=None) -> None:
+    """``body``'s nodes (and inputs, outputs where given) replaced; the value
+    infos of names it no longer defines go."""
+    for field, values in (("input", inputs), ("output", outputs), ("node", nodes)):
+        if values is not None:
+            del getattr(body, field)[:]
+            getattr(body, field).extend(values)
+    defined = {n for node in body.node for n in node.output} | {i.name for i in body.input}
+    defined |= {i.name for i in body.initializer}
+    kept = [vi for vi in body.value_info if vi.name in defined]
+    del body.value_info[:]
+    body.value_info.extend(kept)
+
+
 def _names(graph: onnx.GraphProto) -> set[str]:
     """Every name in ``graph`` and the graphs inside it (one namespace in ONNX)."""
     names = _all_names(graph)
@@ -190,24 +215,11 @@ def _hoist(scan, seen, opset, taken) -> list | None:
         scan_outputs.append(outer)
         out_axes.append(0)
         out_dirs.append(direction)
-    del body.input[:]
-    body.input.extend(body_inputs)
-    del body.output[:]
-    body.output.extend(body_outputs)
-    live = _live(list(body.node), {o.name for o in body.output})
-    del body.node[:]
-    body.node.extend(live)
-    names = {n for node in body.node for n in node.output} | {i.name for i in body.input}
-    names |= {i.name for i in body.initializer}
-    kept_info = [vi for vi in body.value_info if vi.name in names]
-    del body.value_info[:]
-    body.value_info.extend(kept_info)
-    new = helper.make_node("Scan", scan_inputs, scan_outputs, scan.name, domain=scan.domain)
-    for a in scan.attribute:
-        if a.name not in ("scan_output_axes", "scan_output_directions"):
-            new.attribute.append(a)
-    new.attribute.append(helper.make_attribute("scan_output_axes", out_axes))
-    new.attribute.append(helper.make_attribute("scan_output_directions", out_dirs))
+    live = _live(list(body.node), {o.name for o in body_outputs})
+    _set_body(body, live, body_inputs, body_outputs)
+    new = _rebuilt(
+        scan, scan_inputs, scan_outputs, scan_output_axes=out_axes, scan_output_directions=out_dirs
+    )
     return [new, *after]
 
 
