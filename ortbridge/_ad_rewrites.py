@@ -20,6 +20,9 @@ works around one onnx-ad defect, each checked against finite differences in
   or divides by zero. They read ``ConstantOfShape(Shape(x))``, equal to
   ``x`` (no elements) and constant, so the gradient is the empty one.
 - ``Pad`` with negative widths: a ``Slice`` then a ``Pad``.
+- ``Pad`` in reflect, edge or wrap mode (onnx-ad differentiates constant
+  mode only; Silero VAD's STFT pads by reflection): one ``Gather`` per
+  padded axis, its indices computed from the input's size.
 - ``SpaceToDepth`` mode CRD (opset 28), differentiated as DCR: a
   ``Reshape``, ``Transpose``, ``Reshape`` (static channels and sizes).
 - ``Resize`` (tf_crop_and_resize) with an ``extrapolation_value``: onnx-ad
@@ -204,8 +207,67 @@ class _Graph:
                 elif node.attribute[0].name.startswith(("value_int", "value_float")):
                     self.values[node.output[0]] = np.asarray(value)
 
+        self.producers = {out: node for node in graph.node for out in node.output}
+
     def is_constant(self, name: str) -> bool:
         return name in self.constants
+
+    def folded(self, name: str) -> np.ndarray | None:
+        """The value of integer tensor ``name`` where constants and static shapes decide it.
+
+        Pads, axes and shapes that an exporter computes (an old torch export
+        of ``F.pad`` spells its pads out in ten integer nodes; Swin's window
+        padding reads the input's shape) are constants once the shapes are:
+        onnx-ad reads such operands only from constants.
+        """
+        if name in self.values:
+            return self.values[name]
+        node = self.producers.get(name)
+        if node is None or self.types.get(name) not in _INT_TYPES or len(node.output) != 1:
+            return None
+        if node.op_type == "Shape" and node.domain in ("", "ai.onnx"):
+            dims = self.shape(node.input[0])
+            if dims is None or None in dims:
+                return None
+            start, end = attr(node, "start", 0), attr(node, "end", None)
+            value = np.array(dims[start:end] if end is not None else dims[start:], np.int64)
+        elif node.domain not in ("", "ai.onnx") or node.op_type in _NOT_FOLDED:
+            return None
+        else:
+            operands = [self.folded(i) if i else None for i in node.input]
+            if any(v is None for i, v in zip(node.input, operands) if i):
+                return None
+            value = _evaluate(node, operands, self.opset)
+        self.values[name] = value
+        return value
+
+
+#: Ops whose output is not a function of their operands' values alone.
+_NOT_FOLDED = frozenset(
+    {"RandomUniform", "RandomNormal", "Multinomial", "Bernoulli", "If", "Loop", "Scan"}
+)
+
+
+def _evaluate(node: onnx.NodeProto, operands, opset: int) -> np.ndarray:
+    """``node`` run by onnx's reference evaluator on constant ``operands``."""
+    from onnx.reference import ReferenceEvaluator
+
+    names = [f"in{k}" for k in range(len(operands))]
+    inputs = [n if i else "" for n, i in zip(names, node.input)]
+    single = helper.make_node(node.op_type, inputs, ["out"], domain=node.domain)
+    single.attribute.extend(node.attribute)
+    given = [(n, v) for n, v, i in zip(names, operands, node.input) if i]
+    graph = helper.make_graph(
+        [single],
+        "fold",
+        [
+            helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+            for n, v in given
+        ],
+        [helper.make_tensor_value_info("out", TensorProto.UNDEFINED, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return np.asarray(ReferenceEvaluator(model).run(None, dict(given))[0])
 
 
 def _rewrite(node, b, g):
@@ -221,7 +283,18 @@ def _rewrite(node, b, g):
         return None
     if kind in REDUCTIONS:
         return _reduction(node, b, g)
-    if kind == "Pad" and len(node.input) > 1 and node.input[1] in g.values:
+    if kind == "Pad" and len(node.input) > 1 and g.folded(node.input[1]) is not None:
+        if attr(node, "mode", "constant") != "constant":
+            return _copying_pad(node, b, g)
+        if node.input[1] not in g.constants:
+            # computed pads: onnx-ad reads the widths from a constant
+            return _negative_pad(node, b, g) or [
+                *b.nodes,
+                copy_node(
+                    node,
+                    [node.input[0], ints(b, g.values[node.input[1]].reshape(-1)), *node.input[2:]],
+                ),
+            ]
         return _negative_pad(node, b, g)
     if kind == "SpaceToDepth" and attr(node, "mode", "DCR") == "CRD":
         return _space_to_depth_crd(node, b, g)
@@ -272,6 +345,53 @@ def _negative_pad(node, b, g):
     cropped = conv.pad_or_crop(b, node.input[0], dims, crop[:half], crop[half:], first=0)
     padded = ints(b, [max(0, w) for w in widths])
     return [*b.nodes, copy_node(node, [cropped, padded, *node.input[2:]])]
+
+
+def _scalar(b, value: int) -> str:
+    """An int64 scalar (``NodeBuilder.const`` makes constants of the data's type)."""
+    return b.op("Constant", value=numpy_helper.from_array(np.array(value, np.int64)))
+
+
+def _copying_pad(node, b, g):
+    """A reflect, edge or wrap Pad as one Gather per padded axis.
+
+    The index of each output position along the axis is computed from the
+    input's size at run time (any shape): for position ``j`` in
+    ``[-before, n + after)``, reflect reads ``(n-1) - |(n-1) - |j||``, edge
+    ``clip(j, 0, n-1)``, wrap ``j mod n``. Gather's adjoint scatter-adds
+    onto the values each copy was read from, which onnx-ad differentiates.
+    """
+    mode = attr(node, "mode")
+    widths = [int(v) for v in g.values[node.input[1]].reshape(-1)]
+    axes_given = len(node.input) > 3 and node.input[3]
+    if mode not in ("reflect", "edge", "wrap") or min(widths, default=0) < 0:
+        return None
+    if axes_given:
+        if g.folded(node.input[3]) is None:
+            return None
+        axes = [int(a) for a in g.values[node.input[3]].reshape(-1)]
+    else:
+        axes = list(range(len(widths) // 2))
+    half = len(widths) // 2
+    current = node.input[0]
+    shape = b.op("Shape", current)
+    for k, axis in enumerate(axes):
+        before, after = widths[k], widths[half + k]
+        if before == after == 0:
+            continue
+        n = b.op("Gather", shape, _scalar(b, axis))
+        end = b.op("Add", n, _scalar(b, after))
+        positions = b.op("Range", _scalar(b, -before), end, _scalar(b, 1))
+        last = b.op("Sub", n, _scalar(b, 1))
+        if mode == "reflect":
+            inner = b.op("Abs", b.op("Sub", last, b.op("Abs", positions)))
+            read = b.op("Sub", last, inner)
+        elif mode == "edge":
+            read = b.op("Max", b.op("Min", positions, last), _scalar(b, 0))
+        else:
+            read = b.op("Mod", positions, n)
+        current = b.op("Gather", current, read, axis=axis)
+    return [*b.nodes, helper.make_node("Identity", [current], [node.output[0]], node.name)]
 
 
 def _space_to_depth_crd(node, b, g):

@@ -32,6 +32,7 @@ from ._graph_load import (
 )
 from ._graph_lookup import _all_names, _elem_type_of, _infer, _unique
 from ._graph_normalize import MIN_OPSET, normalize
+from ._graph_weights import write_constants
 from ._onnx_utils import np_dtype
 from .exceptions import OnnxModelError
 
@@ -174,9 +175,13 @@ def weights_as_inputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelPro
 
 
 def with_weights(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
-    """A copy of ``model`` whose initializers ``weights`` hold new values."""
+    """A copy of ``model`` whose initializers ``weights`` hold new values.
+
+    A weight the file holds in a ``Constant`` node is written back there.
+    """
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    write_constants(out, weights)
     for init in out.graph.initializer:
         if init.name in weights:
             value = np.ascontiguousarray(weights[init.name]).astype(np_dtype(init.data_type))

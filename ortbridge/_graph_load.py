@@ -15,75 +15,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from . import _graph_weights
 from ._graph_lookup import _elem_types
 from ._model_checks import check_loaded
 from ._onnx_utils import FLOAT_TYPES, node_reads, np_dtype
 from .exceptions import OnnxModelError, OnnxTypeError
-
-# Inputs (by position) through which no gradient flows, per op type.
-_NON_DIFFERENTIABLE_SLOTS = {
-    "BatchNormalization": {3, 4},
-    "Dropout": {1, 2},
-    "Reshape": {1},
-    "Expand": {1},
-    "Tile": {1},
-    "Slice": {1, 2, 3, 4},
-    "Gather": {1},
-    "GatherElements": {1},
-    "GatherND": {1},
-    "ScatterElements": {1},
-    "ScatterND": {1},
-    "Pad": {1, 3},
-    "Resize": {1, 2, 3},
-    "Upsample": {1},
-    "Unsqueeze": {1},
-    "Squeeze": {1},
-    "ReduceSum": {1},
-    "ReduceMean": {1},
-    "ReduceMax": {1},
-    "ReduceMin": {1},
-    "ReduceProd": {1},
-    "ReduceL2": {1},
-    "ReduceLogSumExp": {1},
-    "TopK": {1},
-    "Split": {1},
-    "Where": {0},
-    "Clip": {1, 2},
-    "Trilu": {1},
-    "CumSum": {1},
-}
-# Ops whose outputs carry no gradient at all.
-_NON_DIFFERENTIABLE_OPS = frozenset(
-    {
-        "Shape",
-        "Size",
-        "Equal",
-        "Less",
-        "Greater",
-        "LessOrEqual",
-        "GreaterOrEqual",
-        "Not",
-        "And",
-        "Or",
-        "Xor",
-        "ArgMax",
-        "ArgMin",
-        "NonZero",
-        "Range",
-        "ConstantOfShape",
-        "Round",
-        "Sign",
-        "Floor",
-        "Ceil",
-        "IsNaN",
-        "IsInf",
-        "RandomNormalLike",
-        "RandomUniformLike",
-        "Bernoulli",
-        "EyeLike",
-        "OneHot",
-    }
-)
 
 
 def load_model(model) -> onnx.ModelProto:
@@ -151,11 +87,22 @@ class GraphSummary:
     outputs: list[TensorSpec]
     float_initializers: dict[str, np.ndarray]
     differentiable_initializers: set[str]
+    #: What ``trainable=None`` trains: the weights a gradient reaches
+    #: (:mod:`._graph_weights`; not the constants of the function).
+    default_trainable: set[str] = dataclasses.field(default_factory=set)
+    #: Float initializers the file held in ``Constant`` nodes.
+    from_constants: set[str] = dataclasses.field(default_factory=set)
 
 
-def summarize(model: onnx.ModelProto) -> GraphSummary:
-    """Inputs, outputs and float initializers of a normalised model."""
+def summarize(model: onnx.ModelProto, original: onnx.ModelProto | None = None) -> GraphSummary:
+    """Inputs, outputs and float initializers of a normalised model.
+
+    ``original`` (the model as given, before :func:`._graph.normalize`) is
+    where the weights' roles are read: normalisation rewrites some layers
+    into elementary ops (PRelu, AveragePool) that no longer show them.
+    """
     graph = model.graph
+    source = original if original is not None else model
     init_names = {init.name for init in graph.initializer}
     inputs = [_spec(i) for i in graph.input if i.name not in init_names]
     outputs = [_spec(o) for o in graph.output]
@@ -164,12 +111,24 @@ def summarize(model: onnx.ModelProto) -> GraphSummary:
         for init in graph.initializer
         if init.data_type in FLOAT_TYPES
     }
+    reachable = _gradient_reachable(model, set(floats))
+    kinds = _graph_weights.roles(source)
+    constants = {
+        node.output[0]
+        for g in _graph_weights.graphs(source.graph)
+        for node in g.node
+        if node.op_type == "Constant" and node.output
+    }
     return GraphSummary(
         name=graph.name or "onnx_graph",
         inputs=inputs,
         outputs=outputs,
         float_initializers=floats,
-        differentiable_initializers=_gradient_reachable(model, set(floats)),
+        differentiable_initializers=reachable,
+        default_trainable={
+            n for n in reachable if kinds.get(n, _graph_weights.WEIGHT) == _graph_weights.WEIGHT
+        },
+        from_constants=constants & set(floats),
     )
 
 
@@ -184,11 +143,11 @@ def _gradient_reachable(model: onnx.ModelProto, candidates: set[str]) -> set[str
     # Walk nodes backwards: a node whose float output needs a gradient passes
     # the need on to its differentiable float inputs.
     for node in reversed(_topological(model.graph)):
-        if node.op_type in _NON_DIFFERENTIABLE_OPS:
+        if node.op_type in _graph_weights.NON_DIFFERENTIABLE_OPS:
             continue
         if not any(out in needed for out in node.output):
             continue
-        skip = _NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ())
+        skip = _graph_weights.NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ())
         for pos, name in enumerate(node.input):
             if name and pos not in skip and is_float(name):
                 needed.add(name)

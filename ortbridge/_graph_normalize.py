@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from . import _activations
 from ._graph_lookup import _all_names, _infer, _unique
+from ._graph_weights import lift_constant_weights
 from ._model_checks import check_runnable
 from ._onnx_utils import FLOAT_TYPES, np_dtype
 from ._sequence_rewrites import sequences_as_tensors
@@ -24,6 +25,10 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
 
     The model is first checked (:func:`._model_checks.check_runnable`): what
     onnxruntime could not load is refused in plain words.
+
+    - Weights and running statistics held in ``Constant`` nodes become
+      initializers (:func:`._graph_weights.lift_constant_weights`), first, so
+      that the rewrites below do not see them as constants.
 
     - ``CastLike`` has no registered gradient: it becomes a ``Cast`` to the
       statically known type of its second input.
@@ -49,6 +54,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
       no weight into a sequence.
     """
     check_runnable(model)
+    lift_constant_weights(model)
     model = _at_least_opset(model, MIN_OPSET)
     model = sequences_as_tensors(model, loops=False)
     graph = model.graph

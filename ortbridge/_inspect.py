@@ -15,6 +15,7 @@ import sys
 import onnx
 
 from . import _graph, _ort
+from ._onnx_utils import FLOAT_TYPES
 from .exceptions import OrtBridgeError
 
 
@@ -49,7 +50,7 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
 
     model = _graph.load_model(path)
     prepared = _graph.normalize(_graph.load_model(model))
-    summary = _graph.summarize(prepared)
+    summary = _graph.summarize(prepared, model)
     info = {
         "model": str(path),
         "graph": summary.name,
@@ -69,7 +70,7 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
         info["training"] = {"ok": True, "error": None}
     except OrtBridgeError as exc:
         module = None
-        trainable = summary.differentiable_initializers
+        trainable = summary.default_trainable
         info["engine"] = {"backend": None, "reason": f"none trains it (backend={backend!r})"}
         info["training"] = {"ok": False, "error": str(exc)}
     info["engine"]["requested"] = backend
@@ -83,13 +84,16 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
         {
             "name": name,
             "trainable": name in trainable,
+            "from_constant": name in summary.from_constants,
             "dtype": str(array.dtype),
             "shape": list(array.shape),
             "size": int(array.size),
         }
         for name, array in summary.float_initializers.items()
     ]
-    info["non_float_initializers"] = len(model.graph.initializer) - len(summary.float_initializers)
+    info["non_float_initializers"] = sum(
+        1 for init in model.graph.initializer if init.data_type not in FLOAT_TYPES
+    )
     info["check"] = None
     if check and module is not None:
         from ._gradcheck import gradcheck
@@ -160,9 +164,10 @@ def _print_text(info: dict, out) -> None:
     print(f"float initializers ({len(inits)}):", file=out)
     for init in inits:
         kind = "trainable" if init["trainable"] else "frozen"
+        where = ", from a Constant node" if init["from_constant"] else ""
         print(
             f"  {init['name']}: {kind:9s} {init['dtype']} {tuple(init['shape'])} "
-            f"({init['size']:,} values)",
+            f"({init['size']:,} values{where})",
             file=out,
         )
     total = sum(init["size"] for init in inits)

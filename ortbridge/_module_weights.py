@@ -42,10 +42,10 @@ def _clashes(module: nn.Module, parts) -> bool:
 
 
 def choose_trainable(trainable, summary) -> set[str]:
-    """The initializers ``trainable`` selects (None: every one a gradient reaches)."""
+    """The initializers ``trainable`` selects (None: the weights a gradient reaches)."""
     floats = summary.float_initializers
     if trainable is None:
-        return set(summary.differentiable_initializers)
+        return set(summary.default_trainable)
     if callable(trainable):
         return {name for name, array in floats.items() if trainable(name, array)}
     if isinstance(trainable, str):

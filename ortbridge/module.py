@@ -61,10 +61,12 @@ class OnnxModule(nn.Module):
     model : str, os.PathLike, bytes or onnx.ModelProto
         The ONNX model.
     trainable : None, iterable of str, or callable
-        Which float initializers become parameters. None: every one a
-        gradient can reach (BatchNorm running statistics and the like stay
-        buffers). An iterable of initializer names, or a callable
-        ``(name, numpy_array) -> bool``.
+        Which float initializers (and weights held in ``Constant`` nodes)
+        become parameters. None: the weights a gradient can reach, by their
+        role (layers' weights and biases, other tensors of more than one
+        element; epsilons, exponents and such constants of the function,
+        BatchNorm running statistics stay buffers). An iterable of names, or
+        a callable ``(name, numpy_array) -> bool``.
     providers : list, optional
         onnxruntime execution providers; default: CPU, or CUDA for a module
         on a CUDA device.
@@ -118,7 +120,7 @@ class OnnxModule(nn.Module):
             )
         original = _graph.load_model(model)
         prepared = _graph.normalize(_graph.load_model(original))
-        summary = _graph.summarize(prepared)
+        summary = _graph.summarize(prepared, original)
         self._original = original
         self._summary = summary
         self._batch_norm = batch_norm
@@ -271,6 +273,12 @@ class OnnxModule(nn.Module):
         lines.append("nodes: " + ", ".join(ops))
         n_train = sum(1 for _ in self.named_onnx_parameters())
         lines.append(f"trainable: {n_train} of {len(self._weight_names)} float initializers")
+        held = [n for n in self._weight_names if n in self._summary.from_constants]
+        if held:
+            names = ", ".join(held[:_SHOWN_OP_TYPES]) + (
+                ", ..." if len(held) > _SHOWN_OP_TYPES else ""
+            )
+            lines.append(f"held in Constant nodes of the file: {len(held)} ({names})")
         # Weights held by the module itself (names without a dot): no child shows them.
         own = weights_repr(self)
         return "\n".join(lines + [own] if own else lines)

@@ -705,3 +705,48 @@ def test_constant_conditions_are_inlined_and_if_names_cleared(mode):
     rewritten = _check(model, ["x", "w"], feeds)
     ifs = [n for n in _all_nodes(rewritten.graph) if n.op_type == "If"]
     assert [n.name for n in ifs] == ([""] if mode == 1 else [])
+
+
+@pytest.mark.parametrize("mode", ["reflect", "edge", "wrap"])
+@pytest.mark.parametrize(
+    "pads, axes",
+    [([0, 2, 1, 0], None), ([1, 2, 2, 1], None), ([2, 3], [-1])],
+    ids=["one-axis", "both-axes", "axes-input"],
+)
+def test_copying_pad_is_a_gather_per_axis(mode, pads, axes):
+    inits = {"pads": np.array(pads)}
+    if axes is not None:
+        inits["constant_value"] = np.array(0.0)
+        inits["axes"] = np.array(axes)
+    model = _one("Pad", [("x", D, [3, 4])], inits, opset=19, mode=mode)
+    feeds = _feeds(model, np.random.default_rng(0))
+    with pytest.raises(Refused, match="constant-mode Pad"):
+        onnx_ad.reverse(model, inputs=["x"], outputs=["y"], layout="onnx")
+    rewritten = _check(model, ["x"], feeds)
+    assert "Pad" not in _ops(rewritten) and "Gather" in _ops(rewritten)
+
+
+def test_reflect_pad_of_a_dynamic_size_matches_torch():
+    """torch's F.pad(mode="reflect"), exported with a dynamic length, trains as torch's does."""
+    import torch
+
+    import ortbridge
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv1d(2, 3, 3)
+
+        def forward(self, x):
+            return self.conv(torch.nn.functional.pad(x, (2, 3), mode="reflect"))
+
+    from conftest import compare_with_torch, export
+
+    net = Net()
+    dims = ({0: torch.export.Dim("batch"), 2: torch.export.Dim("length", min=4)},)
+    model = export(net, (torch.randn(2, 2, 9),), dynamic_shapes=dims)
+    layer = ortbridge.OnnxModule(model, backend="onnxruntime")
+    for length in (9, 6):
+        net.zero_grad()
+        layer.zero_grad()
+        compare_with_torch(net, layer, [torch.randn(2, 2, length, requires_grad=True)])

@@ -206,7 +206,14 @@ def test_inspect_json_says_the_same(tmp_path, capsys):
     assert info["providers"]["used"] == ["CPUExecutionProvider"]
     assert "CPUExecutionProvider" in info["providers"]["available"]
     assert info["initializers"] == [
-        {"name": "fc.weight", "trainable": True, "dtype": "float32", "shape": [2, 3], "size": 6}
+        {
+            "name": "fc.weight",
+            "trainable": True,
+            "from_constant": False,
+            "dtype": "float32",
+            "shape": [2, 3],
+            "size": 6,
+        }
     ]
     assert info["training"] == {"ok": True, "error": None}
     assert info["check"]["passed"] is True

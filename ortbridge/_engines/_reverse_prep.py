@@ -172,7 +172,7 @@ def setting_positions(model, feed_names, targets, n_inputs) -> list[int]:
     """Feed positions of frozen weights read only at non-differentiable operands
     (axes, pads, scales, a Dropout ratio): onnx-ad needs those constant, so they
     are baked into the graph (:func:`bake`)."""
-    from .._graph_load import _NON_DIFFERENTIABLE_SLOTS
+    from .._graph_weights import NON_DIFFERENTIABLE_SLOTS
 
     readers: dict[str, list] = {}
     for node in model.graph.node:
@@ -186,7 +186,7 @@ def setting_positions(model, feed_names, targets, n_inputs) -> list[int]:
         if name in targets or name in outputs or not uses:
             continue
         if all(
-            op != "BatchNormalization" and slot in _NON_DIFFERENTIABLE_SLOTS.get(op, ())
+            op != "BatchNormalization" and slot in NON_DIFFERENTIABLE_SLOTS.get(op, ())
             for op, slot in uses
         ):
             found.append(pos)
