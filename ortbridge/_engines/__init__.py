@@ -82,3 +82,19 @@ def graph_class(engine: str):
     from ._onnxruntime import OrtGradientGraph
 
     return OrtGradientGraph
+
+
+def gradient_graph(engine: str, model: onnx.ModelProto, *args, **kwargs):
+    """The gradient graph of ``engine`` for ``model`` (arguments of its class).
+
+    On the onnxruntime engine, a graph with main-graph ``If`` nodes gets one
+    gradient graph per branch a call takes (:mod:`._resolved`).
+    """
+    if engine == ONNXRUNTIME:
+        from .._control_flow import main_ifs
+
+        if main_ifs(model):
+            from ._resolved import ResolvedGradientGraph
+
+            return ResolvedGradientGraph(model, *args, **kwargs)
+    return graph_class(engine)(model, *args, **kwargs)
