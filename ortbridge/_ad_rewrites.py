@@ -20,6 +20,8 @@ works around one onnx-ad defect, each checked against finite differences in
   or divides by zero. They read ``ConstantOfShape(Shape(x))``, equal to
   ``x`` (no elements) and constant, so the gradient is the empty one.
 - ``Pad`` with negative widths: a ``Slice`` then a ``Pad``.
+- ``Pad`` in reflect or edge mode (onnx-ad refuses them): a ``Gather`` per
+  padded axis (:mod:`._ad_rewrites_pad`; constant widths, static lengths).
 - ``SpaceToDepth`` mode CRD (opset 28), differentiated as DCR: a
   ``Reshape``, ``Transpose``, ``Reshape`` (static channels and sizes).
 - ``Resize`` (tf_crop_and_resize) with an ``extrapolation_value``: onnx-ad
@@ -51,6 +53,7 @@ from onnx import TensorProto, helper, numpy_helper
 from . import _ad_rewrites_conv as conv
 from ._ad_rewrites_bodies import _inferred, _opset, rewrite_bodies
 from ._ad_rewrites_conv import copy_node, ints
+from ._ad_rewrites_pad import reflect_or_edge_pad
 from ._graph_lookup import _all_names, _infer, _unique
 from ._onnx_utils import FLOAT_TYPES, NodeBuilder, attr, np_dtype
 from ._sequence_rewrites import sequences_as_tensors
@@ -193,6 +196,7 @@ class _Graph:
         self.opset = _opset(model)
         self.types, shapes = _infer(model)
         self.shape = shapes.get
+        self._model, self._shapes, self._folder = model, shapes, None
         self.values = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
         self.constants = set(self.values)
         for node in graph.node:
@@ -206,6 +210,16 @@ class _Graph:
 
     def is_constant(self, name: str) -> bool:
         return name in self.constants
+
+    def folded(self, name: str):
+        """The value of ``name`` where constants and static shapes decide it, else None."""
+        if name in self.values:
+            return self.values[name]
+        if self._folder is None:
+            from ._control_flow import _Folder
+
+            self._folder = _Folder(self._model, {}, self._shapes, self.opset)
+        return self._folder.value(name)
 
 
 def _rewrite(node, b, g):
@@ -221,6 +235,10 @@ def _rewrite(node, b, g):
         return None
     if kind in REDUCTIONS:
         return _reduction(node, b, g)
+    if kind == "Pad" and attr(node, "mode", "constant") in ("reflect", "edge"):
+        axes = g.folded(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+        widths = g.folded(node.input[1]) if len(node.input) > 1 else None
+        return reflect_or_edge_pad(node, b, widths, g.shape(node.input[0]), axes)
     if kind == "Pad" and len(node.input) > 1 and node.input[1] in g.values:
         return _negative_pad(node, b, g)
     if kind == "SpaceToDepth" and attr(node, "mode", "DCR") == "CRD":

@@ -38,7 +38,7 @@ _FOLDED = frozenset(
         "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Not",
         "Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape", "Add", "Sub", "Mul", "Div",
         "Neg", "Abs", "Min", "Max", "Gather", "Concat", "Slice", "ReduceProd", "ReduceSum",
-        "ReduceMin", "ReduceMax", "Where", "Mod",
+        "ReduceMin", "ReduceMax", "Where", "Mod", "Transpose", "ConstantOfShape",
     }
 )  # fmt: skip
 
@@ -282,6 +282,8 @@ class _Folder:
         if any(v is None for v, n in zip(operands, node.input) if n):
             return None
         if sum(v.size for v in operands if v is not None) > _SMALL:
+            return None
+        if node.op_type == "ConstantOfShape" and np.prod(operands[0]) > _SMALL:
             return None
         results = _evaluate(node, operands, self.opset)
         if results is None:

@@ -285,3 +285,61 @@ def test_condition_needing_a_gradient_is_left_to_onnx_ad():
     assert not _control_flow.call_decides(model, [])
     resolved, decisions = _control_flow.resolve(model, {"x": (3,)}, {})
     assert resolved is model and decisions == ()
+
+
+@pytest.mark.parametrize("mode", ["reflect", "edge"])
+def test_reflect_and_edge_pad_gradients(mode):
+    # Silero's STFT reflects 64 samples at the end: onnx-ad refuses such a Pad,
+    # rewritten as a Gather per padded axis (widths computed from constants here).
+    rng = np.random.default_rng(4)
+    nodes = [
+        _const("half", np.array([0, 1, 0, 0], np.int64)),
+        _const("two", np.array(2, np.int64)),
+        helper.make_node("Mul", ["half", "two"], ["widths"]),
+        helper.make_node("Pad", ["x", "widths"], ["padded"], mode=mode),
+        helper.make_node("Mul", ["padded", "w"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "pad",
+        [helper.make_tensor_value_info("x", FLOAT, ["n", 5])],
+        [helper.make_tensor_value_info("y", FLOAT, ["n", 7])],
+        _weights(rng, ("w", (7,))),
+    )
+    model = make_model(graph, opset=17)
+    layer = ortbridge.OnnxModule(model, backend="onnxruntime")
+    x = torch.randn(3, 5, requires_grad=True)
+    assert ortbridge.gradcheck(layer, x)
+    out = layer(x)
+    np.testing.assert_allclose(
+        out.detach().numpy(), _reference(model, {"x": x.detach()})[0], rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_condition_shape_inference_cannot_fold(k):
+    # The condition reads the length of a Range over a dimension: onnx's shape
+    # inference leaves it unknown, onnxruntime computes it on the call's inputs.
+    model = squeeze_model()
+    graph = model.graph
+    old = [n for n in graph.node if n.op_type == "Equal"][0]
+    index = list(graph.node).index(old)
+    new = [
+        _const("start", np.array(0, np.int64)),
+        _const("step", np.array(1, np.int64)),
+        _const("first", np.array(0, np.int64)),
+        helper.make_node("Gather", ["k", "first"], ["k0"]),
+        helper.make_node("Range", ["start", "k0", "step"], ["steps"]),
+        helper.make_node("Size", ["steps"], ["count"]),
+        _const("single_count", np.array(1, np.int64)),
+        helper.make_node("Equal", ["count", "single_count"], ["single"]),
+    ]
+    nodes = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes[:index] + new + nodes[index + 1 :])
+    resolved, decisions = _control_flow.resolve(model, {"x": (2, k, 3)}, {})
+    assert decisions == ()  # folding alone cannot decide it
+    layer = ortbridge.OnnxModule(model, backend="onnxruntime")
+    x = torch.randn(2, k, 3, requires_grad=True)
+    assert ortbridge.gradcheck(layer, x)
+    assert list(_resolved(layer).graphs) == [(("picked", k == 1),)]

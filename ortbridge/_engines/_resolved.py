@@ -113,7 +113,7 @@ class ResolvedGradientGraph:
 
 
 class _Evaluator:
-    """Values of tensors of a graph on one call's tensors, by onnxruntime.
+    """Values of ``If`` conditions (bool tensors) of a graph on one call's tensors, by onnxruntime.
 
     Runs only the nodes they depend on (a condition on the length of a
     convolution's output runs the convolutions once per new input shape).
@@ -141,7 +141,7 @@ class _Evaluator:
             nodes,
             "condition",
             inputs,
-            [onnx.helper.make_tensor_value_info(n, 0, None) for n in names],
+            [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.BOOL, None) for n in names],
             [t for t in graph.initializer if t.name in seen],
         )
         probe = onnx.helper.make_model(sub, opset_imports=model.opset_import)
