@@ -343,3 +343,28 @@ def test_condition_shape_inference_cannot_fold(k):
     x = torch.randn(2, k, 3, requires_grad=True)
     assert ortbridge.gradcheck(layer, x)
     assert list(_resolved(layer).graphs) == [(("picked", k == 1),)]
+
+
+def test_double_backward_through_the_branch_taken():
+    layer = ortbridge.OnnxModule(sample_rate_model(), backend="onnxruntime")
+    w16, w8, b8 = (layer.onnx_weight(n).detach() for n in ("w16", "w8", "b8"))
+    for rate in (16000, 8000):
+        x = torch.randn(2, 3, requires_grad=True)
+        (g,) = torch.autograd.grad(layer(x, torch.tensor(rate)).pow(2).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        xr = x.detach().clone().requires_grad_()
+        yr = torch.tanh(xr @ w16) if rate == 16000 else xr @ w8 + b8
+        (gr,) = torch.autograd.grad(yr.pow(2).sum(), xr, create_graph=True)
+        (ggr,) = torch.autograd.grad(gr.sum(), xr)
+        torch.testing.assert_close(g.detach(), gr.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(gg, ggr, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rate", [16000, 8000])
+def test_auto_backend_trains_weights_read_inside_branches(rate):
+    # The training build's builder cannot differentiate branches that read
+    # weights from the outer scope: "auto" must end on the onnxruntime engine.
+    layer = ortbridge.OnnxModule(sample_rate_model())
+    x = torch.randn(2, 3, requires_grad=True)
+    assert ortbridge.gradcheck(layer, x, torch.tensor(rate))
+    assert layer.backend == "onnxruntime"

@@ -30,8 +30,18 @@ class ResolvedGradientGraph:
     engine = OrtGradientGraph.engine
     saves_tensors = True
 
-    def __init__(self, model, feed_names, targets, device, session_options=None,
-                 providers=None, batch_norm_nodes=(), n_inputs=None, tensors=None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        feed_names,
+        targets,
+        device,
+        session_options=None,
+        providers=None,
+        batch_norm_nodes=(),
+        n_inputs=None,
+        tensors=None,
+    ):
         self._model = model
         self._feed_names = list(feed_names)
         self.n_inputs = len(feed_names) if n_inputs is None else n_inputs
@@ -62,9 +72,16 @@ class ResolvedGradientGraph:
     def _build(self, model, decisions, tensors):
         targets, device, options, providers, batch_norms = self._build_args
         graph = OrtGradientGraph(
-            model, self._feed_names, targets, device, options, providers,
-            batch_norm_nodes=batch_norms, n_inputs=self.n_inputs, tensors=tensors,
-        )  # fmt: skip
+            model,
+            self._feed_names,
+            targets,
+            device,
+            options,
+            providers,
+            batch_norm_nodes=batch_norms,
+            n_inputs=self.n_inputs,
+            tensors=tensors,
+        )
         self.graphs[decisions] = graph
         if not self.save_outputs and not self.grad_slots:
             self.save_outputs, self.grad_slots = graph.save_outputs, graph.grad_slots
