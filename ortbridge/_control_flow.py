@@ -107,10 +107,11 @@ def resolve(
 
     ``shapes``: the call's input shapes (None: the declared ones);
     ``values``: the call's values of :func:`deciding_inputs`;
-    ``evaluate(model, names)``: the values of ``names`` in ``model`` on the
-    call's tensors (onnxruntime), for conditions that are functions of the
-    input shapes and deciding values but that shape inference cannot fold (a
-    test on the length of a convolution's output). None: folding only.
+    ``evaluate(model, name)``: the value of ``name`` in ``model`` on the
+    call's tensors (onnxruntime; None if it cannot tell), for conditions that
+    are functions of the input shapes and deciding values but that shape
+    inference cannot fold (a test on the length of a convolution's output).
+    None: folding only.
 
     Returns the new model (``model`` itself when nothing is resolved; inputs
     keep their declared shapes) and the decisions, ``(If output name, branch
@@ -132,7 +133,7 @@ def resolve(
                 continue  # it may read a tensor needing a gradient: left to onnx-ad
             condition = folder.value(node.input[0])
             if condition is None and evaluate is not None:
-                condition = np.asarray(evaluate(work, [node.input[0]])[0])
+                condition = evaluate(work, node.input[0])
             if condition is None or condition.size != 1:
                 continue
             taken = bool(condition.reshape(-1)[0])
