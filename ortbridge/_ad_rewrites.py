@@ -216,9 +216,9 @@ class _Graph:
         if name in self.values:
             return self.values[name]
         if self._folder is None:
-            from ._control_flow import _Folder
+            from ._control_flow import Folder
 
-            self._folder = _Folder(self._model, {}, self._shapes, self.opset)
+            self._folder = Folder(self._model, {}, self._shapes, self.opset)
         return self._folder.value(name)
 
 

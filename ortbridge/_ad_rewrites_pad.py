@@ -1,18 +1,20 @@
 """``Pad`` in reflect or edge mode as ``Gather``: part of :func:`._ad_rewrites.prepare_for_reverse`.
 
 onnx-ad 0.3.0 differentiates constant-mode ``Pad`` only (reflect and edge
-copy values, whose gradients must be added back). With constant widths and
-a static length on each padded axis, the padded tensor is a ``Gather`` of
-constant indices per axis, whose adjoint onnx-ad accumulates (ScatterND
-add). Silero VAD's STFT reflects 64 samples at the end of its input.
+copy values, whose gradients must be added back). With constant widths, the
+padded tensor is a ``Gather`` per padded axis, whose adjoint onnx-ad
+accumulates (ScatterND add): constant indices where the axis length is
+static, else indices computed from it at run time. Silero VAD's STFT
+reflects 64 samples at the end of its input.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto, numpy_helper
 
 from ._ad_rewrites_conv import ints
-from ._onnx_utils import attr
+from ._onnx_utils import NodeBuilder, attr
 
 
 def reflect_or_edge_pad(node, b, widths, dims, axes_value=None):
@@ -39,17 +41,52 @@ def reflect_or_edge_pad(node, b, widths, dims, axes_value=None):
         if before == after == 0:
             continue
         length = dims[axis]
-        if length is None or length < 1:
-            return None
-        index = np.arange(-before, length + after)
-        if mode == "edge":
-            index = np.clip(index, 0, length - 1)
-        else:  # reflect: the edge itself is not repeated
-            if length < 2 or max(before, after) > length - 1:
-                return None
-            index = np.abs(index)
-            index = np.where(index > length - 1, 2 * (length - 1) - index, index)
-        x = b.op("Gather", x, ints(b, index), axis=axis)
+        if length is None:
+            index = _computed_index(b, x, axis, before, after, mode)
+        else:
+            index = _index(length, before, after, mode)
+            if index is None:
+                return None  # wider than the axis: onnxruntime's Pad refuses it, named
+            index = ints(b, index)
+        x = b.op("Gather", x, index, axis=axis)
     if x == node.input[0]:
         b.op("Identity", x)
     return b.replacing(node)
+
+
+def _index(length, before, after, mode):
+    """Positions of the padded axis's values in the input's axis, or None."""
+    index = np.arange(-before, length + after)
+    if mode == "edge":
+        return None if length < 1 else np.clip(index, 0, length - 1)
+    if length < 2 or max(before, after) > length - 1:
+        return None
+    index = np.abs(index)  # reflect: the edge itself is not repeated
+    return np.where(index > length - 1, 2 * (length - 1) - index, index)
+
+
+def _computed_index(b, x, axis, before, after, mode):
+    """:func:`_index` computed from the axis length at run time (int64 ops).
+
+    A reflection wider than the axis gives an index past its end, so the
+    Gather fails as onnxruntime's Pad does, never a wrong value.
+    """
+    n = NodeBuilder(TensorProto.INT64, b.fresh, b.prefix)
+
+    def scalar(value):
+        return n.op("Constant", value=numpy_helper.from_array(np.array(value, np.int64)))
+
+    length = n.op("Gather", n.op("Shape", x), scalar(axis))
+    last = n.op("Sub", length, scalar(1))
+    index = n.op("Range", scalar(-before), n.op("Add", length, scalar(after)), scalar(1))
+    if mode == "edge":
+        index = n.op("Min", n.op("Max", index, scalar(0)), last)
+    else:
+        mirrored = n.op("Abs", index)
+        beyond = n.op("Greater", mirrored, last)
+        back = n.op("Sub", n.op("Mul", scalar(2), last), mirrored)
+        index = n.op("Where", beyond, back, mirrored)
+        too_wide = n.op("Greater", scalar(max(before, after)), last)
+        index = n.op("Where", too_wide, n.op("Add", index, length), index)
+    b.nodes.extend(n.nodes)
+    return index

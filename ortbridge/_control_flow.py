@@ -124,7 +124,7 @@ def resolve(
         if shapes:
             set_input_shapes(probe, shapes)
         _, known_shapes = _infer(probe)
-        folder = _Folder(work, values, known_shapes, _opset(work))
+        folder = Folder(work, values, known_shapes, _opset(work))
         keyed = _Keyed(work, set(values))
         for index, node in enumerate(work.graph.node):
             if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
@@ -231,7 +231,7 @@ def _opset(model: onnx.ModelProto) -> int:
     return max(versions, default=1)
 
 
-class _Folder:
+class Folder:
     """Values of main-graph tensors that constants, deciding inputs and static
     shapes decide (None for the others)."""
 

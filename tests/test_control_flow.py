@@ -287,10 +287,8 @@ def test_condition_needing_a_gradient_is_left_to_onnx_ad():
     assert resolved is model and decisions == ()
 
 
-@pytest.mark.parametrize("mode", ["reflect", "edge"])
-def test_reflect_and_edge_pad_gradients(mode):
-    # Silero's STFT reflects 64 samples at the end: onnx-ad refuses such a Pad,
-    # rewritten as a Gather per padded axis (widths computed from constants here).
+def pad_model(mode, length):
+    """x padded by 2 at the start of axis 1 (widths computed from constants), times w."""
     rng = np.random.default_rng(4)
     nodes = [
         _const("half", np.array([0, 1, 0, 0], np.int64)),
@@ -302,11 +300,20 @@ def test_reflect_and_edge_pad_gradients(mode):
     graph = helper.make_graph(
         nodes,
         "pad",
-        [helper.make_tensor_value_info("x", FLOAT, ["n", 5])],
+        [helper.make_tensor_value_info("x", FLOAT, ["n", length])],
         [helper.make_tensor_value_info("y", FLOAT, ["n", 7])],
         _weights(rng, ("w", (7,))),
     )
-    model = make_model(graph, opset=17)
+    return make_model(graph, opset=17)
+
+
+@pytest.mark.parametrize("length", [5, "length"], ids=["static", "dynamic"])
+@pytest.mark.parametrize("mode", ["reflect", "edge"])
+def test_reflect_and_edge_pad_gradients(mode, length):
+    # Silero's STFT reflects 64 samples at the end: onnx-ad refuses such a Pad,
+    # rewritten as a Gather per padded axis (indices computed at run time where
+    # the axis length is not static).
+    model = pad_model(mode, length)
     layer = ortbridge.OnnxModule(model, backend="onnxruntime")
     x = torch.randn(3, 5, requires_grad=True)
     assert ortbridge.gradcheck(layer, x)
@@ -314,6 +321,14 @@ def test_reflect_and_edge_pad_gradients(mode):
     np.testing.assert_allclose(
         out.detach().numpy(), _reference(model, {"x": x.detach()})[0], rtol=1e-6
     )
+
+
+def test_reflection_wider_than_the_axis_fails_as_onnxruntime_does():
+    model = pad_model("reflect", "length")
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_param = "m"
+    layer = ortbridge.OnnxModule(model, backend="onnxruntime")
+    with pytest.raises(ortbridge.OrtBridgeError, match="Gather"):
+        layer(torch.randn(3, 2, requires_grad=True))
 
 
 @pytest.mark.parametrize("k", [1, 3])
