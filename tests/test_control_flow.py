@@ -285,6 +285,11 @@ def test_condition_needing_a_gradient_is_left_to_onnx_ad():
     assert not _control_flow.call_decides(model, [])
     resolved, decisions = _control_flow.resolve(model, {"x": (3,)}, {})
     assert resolved is model and decisions == ()
+    layer = ortbridge.OnnxModule(model, backend="onnxruntime")
+    for sign in (1.0, -1.0):
+        x = (sign * torch.ones(3) * layer.onnx_weight("w").detach().sign()).requires_grad_()
+        assert ortbridge.gradcheck(layer, x)
+    assert list(_resolved(layer).graphs) == [()]  # one graph, the If in it
 
 
 def pad_model(mode, length):
