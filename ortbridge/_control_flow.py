@@ -27,8 +27,12 @@ from ._graph_lookup import _all_names, _infer, _unique
 from ._onnx_utils import FLOAT_TYPES, attr, elem_type, node_reads, set_input_shapes
 
 #: A deciding input holds at most this many values (a sample rate, a flag):
-#: each new value means a new resolution, so large ones are not keyed on.
-MAX_DECIDING_VALUES = 64
+#: each new value means a new resolution (about 10 ms), so larger ones
+#: (EmbeddingBag's offsets, token ids) are not keyed on.
+MAX_DECIDING_VALUES = 1
+#: A Loop a call decides is unrolled up to this many steps (and nodes in all).
+MAX_UNROLLED = 64
+MAX_UNROLLED_NODES = 20000
 #: Folded operands hold at most this many values (a condition comes from a few scalars).
 _SMALL = 256
 
@@ -43,9 +47,9 @@ _FOLDED = frozenset(
 )  # fmt: skip
 
 
-def main_ifs(model: onnx.ModelProto) -> bool:
-    """Whether the main graph has an ``If`` (one a call may resolve)."""
-    return any(n.op_type == "If" and n.domain in ("", "ai.onnx") for n in model.graph.node)
+def main_control_flow(model: onnx.ModelProto) -> bool:
+    """Whether the main graph has an ``If`` or a ``Loop`` (one a call may resolve)."""
+    return any(_resolvable(n) for n in model.graph.node)
 
 
 def call_decides(model: onnx.ModelProto, deciding: list[str]) -> bool:
@@ -55,14 +59,14 @@ def call_decides(model: onnx.ModelProto, deciding: list[str]) -> bool:
     """
     keyed = _Keyed(model, deciding)
     return any(
-        n.op_type == "If" and n.domain in ("", "ai.onnx") and keyed.value(n.input[0])
-        for n in model.graph.node
+        _resolvable(n) and all(keyed.value(i) for i in n.input[:2] if i) for n in model.graph.node
     )
 
 
 def deciding_inputs(model: onnx.ModelProto, n_inputs: int) -> list[int]:
     """Positions, among the first ``n_inputs`` graph inputs, of the small int or
-    bool inputs an ``If`` condition (at any depth) may read."""
+    bool inputs whose values an ``If`` condition or a ``Loop``'s trip count or
+    condition (at any depth) may read."""
     producer = {}
     conditions = []
 
@@ -70,8 +74,8 @@ def deciding_inputs(model: onnx.ModelProto, n_inputs: int) -> list[int]:
         for node in graph.node:
             for out in node.output:
                 producer[out] = node
-            if node.op_type == "If":
-                conditions.append(node.input[0])
+            if _resolvable(node):
+                conditions.extend(i for i in node.input[:2] if i)
             for a in node.attribute:
                 for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:
                     walk(sub)
@@ -84,7 +88,8 @@ def deciding_inputs(model: onnx.ModelProto, n_inputs: int) -> list[int]:
             continue
         seen.add(name)
         node = producer.get(name)
-        if node is not None:
+        # A Shape or Size reads no values (shapes are in a call's key anyway).
+        if node is not None and node.op_type not in ("Shape", "Size"):
             stack.extend(node_reads(node))
     found = []
     for pos, vi in enumerate(list(model.graph.input)[:n_inputs]):
@@ -127,24 +132,56 @@ def resolve(
         folder = Folder(work, values, known_shapes, _opset(work))
         keyed = _Keyed(work, set(values))
         for index, node in enumerate(work.graph.node):
-            if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
+            decision = _decide(node, keyed, folder, work, evaluate)
+            if decision is None:
                 continue
-            if not keyed.value(node.input[0]):
-                continue  # it may read a tensor needing a gradient: left to onnx-ad
-            condition = folder.value(node.input[0])
-            if condition is None and evaluate is not None:
-                condition = evaluate(work, node.input[0])
-            if condition is None or condition.size != 1:
-                continue
-            taken = bool(condition.reshape(-1)[0])
             if work is model:
                 work = onnx.ModelProto()
                 work.CopyFrom(model)
-            _inline(work.graph, index, taken)
-            decisions.append((node.output[0], taken))
+            if node.op_type == "If":
+                _inline(work.graph, index, decision)
+            else:
+                _unroll(work.graph, index, decision)
+            decisions.append((node.output[0], decision))
             break
         else:
             return work, tuple(decisions)
+
+
+def _resolvable(node) -> bool:
+    return node.op_type in ("If", "Loop") and node.domain in ("", "ai.onnx")
+
+
+def _decide(node, keyed, folder, model, evaluate):
+    """The branch an If takes (bool) or the trip count of a Loop unrolled (int), or None."""
+    if not _resolvable(node):
+        return None
+
+    def value(name):
+        if not keyed.value(name):
+            return None  # it may read a tensor needing a gradient: left to onnx-ad
+        found = folder.value(name)
+        if found is None and evaluate is not None:
+            found = evaluate(model, name)
+        return None if found is None or found.size != 1 else found.reshape(-1)[0]
+
+    if node.op_type == "If":
+        taken = value(node.input[0])
+        return None if taken is None else bool(taken)
+    # A Loop: a trip count known at the call, a condition that stays true.
+    body = attr(node, "body")
+    if not node.input[0] or not _always_true(body):
+        return None
+    if len(node.input) > 1 and node.input[1]:
+        keep_going = value(node.input[1])
+        if keep_going is None or not bool(keep_going):
+            return None
+    count = value(node.input[0])
+    if count is None or not 0 < int(count) <= MAX_UNROLLED:
+        return None
+    if int(count) * len(body.node) > MAX_UNROLLED_NODES:
+        return None
+    return int(count)
 
 
 #: Ops whose output shapes follow from their operands' shapes (and attributes) alone.
@@ -385,6 +422,75 @@ def _inline(graph: onnx.GraphProto, index: int, taken: bool) -> None:
     kept = list(graph.node)
     del graph.node[:]
     graph.node.extend(kept[:index] + nodes + kept[index + 1 :])
+
+
+def _always_true(body: onnx.GraphProto) -> bool:
+    """Whether a Loop body's condition output is its condition input or a constant true."""
+    out, given = body.output[0].name, body.input[1].name
+    producer = {o: n for n in body.node for o in n.output}
+    while out in producer and producer[out].op_type == "Identity":
+        out = producer[out].input[0]
+    if out == given:
+        return True
+    node = producer.get(out)
+    value = _constant(node) if node is not None and node.op_type == "Constant" else None
+    return value is not None and value.size == 1 and bool(value.reshape(-1)[0])
+
+
+def _unroll(graph: onnx.GraphProto, index: int, count: int) -> None:
+    """Replace ``graph.node[index]`` (a Loop) by ``count`` copies of its body.
+
+    Each copy's names are made unique; the step number and the condition
+    become constants; loop-carried values pass from copy to copy, scan
+    outputs are stacked on a new first axis. Reads of outer names stay.
+    """
+    node = graph.node[index]
+    body = attr(node, "body")
+    n_carried = len(node.input) - 2
+    taken = _all_names_deep(graph, skip=node)
+    carried = list(node.input[2:])
+    pieces: list[list[str]] = [[] for _ in body.output[1 + n_carried :]]
+    nodes = []
+    defined = sorted(_defined_deep(body) - {v.name for v in body.input})
+    for step in range(count):
+        renamed = {name: _unique(name, taken) for name in defined}
+        step_name = _unique(f"{node.output[0]}_step", taken)
+        keep_going = _unique(f"{node.output[0]}_true", taken)
+        renamed[body.input[0].name] = step_name
+        renamed[body.input[1].name] = keep_going
+        renamed.update((v.name, c) for v, c in zip(body.input[2:], carried))
+        copy = onnx.GraphProto()
+        copy.CopyFrom(body)
+        _rename(copy, renamed)
+        nodes.append(_constant_node(step_name, np.array(step, np.int64)))
+        nodes.append(_constant_node(keep_going, np.array(True)))
+        nodes.extend(_constant_node(t.name, numpy_helper.to_array(t)) for t in copy.initializer)
+        for new in copy.node:
+            new.name = _unique(new.name, taken) if new.name else ""
+            nodes.append(new)
+        outputs = [o.name for o in copy.output]
+        carried = outputs[1 : 1 + n_carried]
+        for piece, name in zip(pieces, outputs[1 + n_carried :]):
+            piece.append(name)
+    nodes.extend(
+        helper.make_node("Identity", [value], [out]) for value, out in zip(carried, node.output)
+    )
+    axis = _unique(f"{node.output[0]}_axis", taken)
+    if pieces:
+        nodes.append(_constant_node(axis, np.array([0], np.int64)))
+    for piece, out in zip(pieces, node.output[n_carried:]):
+        stacked = []
+        for name in piece:
+            stacked.append(_unique(f"{name}_stacked", taken))
+            nodes.append(helper.make_node("Unsqueeze", [name, axis], [stacked[-1]]))
+        nodes.append(helper.make_node("Concat", stacked, [out], axis=0))
+    kept = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(kept[:index] + nodes + kept[index + 1 :])
+
+
+def _constant_node(name, array):
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array, name))
 
 
 def _subgraphs(node):

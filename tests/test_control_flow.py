@@ -391,3 +391,70 @@ def test_auto_backend_trains_weights_read_inside_branches(rate):
         assert "(op type If) with a branch reading" in layer.backend_reason
     x = torch.randn(2, 3, requires_grad=True)
     assert ortbridge.gradcheck(layer, x, torch.tensor(rate))
+
+
+def loop_model(condition=""):
+    """n steps of s = tanh(s * w), each state also stacked; body shapes undeclared.
+
+    Without the unrolling onnx-ad refuses it: the rank of the body's tensors is unknown.
+    """
+    rng = np.random.default_rng(5)
+    body = helper.make_graph(
+        [
+            helper.make_node("Mul", ["s_in", "w"], ["m"]),
+            helper.make_node("Tanh", ["m"], ["s_out"]),
+            helper.make_node("Identity", ["c_in"], ["c_out"]),
+            helper.make_node("Identity", ["s_out"], ["scanned"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", INT64, []),
+            helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("s_in", FLOAT, None),
+        ],
+        [
+            helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("s_out", FLOAT, None),
+            helper.make_tensor_value_info("scanned", FLOAT, None),
+        ],
+    )
+    nodes = [
+        helper.make_node("Constant", [], ["yes"], value=_init("yes_v", np.array(True))),
+        helper.make_node("Loop", ["n", condition, "x"], ["y", "ys"], body=body),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "loop",
+        [
+            helper.make_tensor_value_info("x", FLOAT, [3]),
+            helper.make_tensor_value_info("n", INT64, []),
+        ],
+        [
+            helper.make_tensor_value_info("y", FLOAT, [3]),
+            helper.make_tensor_value_info("ys", FLOAT, None),
+        ],
+        _weights(rng, ("w", (3,))),
+    )
+    return make_model(graph, opset=17)
+
+
+@pytest.mark.parametrize("condition", ["", "yes"], ids=["no-condition", "constant-true"])
+def test_loop_with_a_trip_count_known_at_the_call_is_unrolled(condition):
+    model = loop_model(condition)
+    layer = ortbridge.OnnxModule(model, backend="onnxruntime")
+    for steps in (1, 3):
+        x = torch.randn(3, requires_grad=True)
+        assert ortbridge.gradcheck(layer, x, torch.tensor(steps))
+        outs = layer(x, torch.tensor(steps))
+        refs = _reference(model, {"x": x.detach(), "n": torch.tensor(steps)})
+        for out, ref in zip(outs, refs):
+            np.testing.assert_allclose(out.detach().numpy(), ref, rtol=1e-6)
+    assert sorted(_resolved(layer).graphs) == [(("y", 1),), (("y", 3),)]
+
+
+def test_loop_whose_condition_may_stop_it_is_left_as_it_is():
+    model = loop_model()
+    body = model.graph.node[1].attribute[0].g
+    body.node[2].CopyFrom(helper.make_node("Less", ["i", "i"], ["c_out"]))  # stops after one step
+    resolved, decisions = _control_flow.resolve(model, {"x": (3,)}, {"n": np.array(3)})
+    assert resolved is model and decisions == ()
