@@ -1,4 +1,4 @@
-"""``If`` nodes resolved for one call: the branch the call takes, inlined.
+"""Control flow resolved for one call: the ``If`` branch taken, a ``Loop`` unrolled.
 
 onnx-ad differentiates an ``If`` through both branches, and needs the rank of
 its outputs, which is unknown where the branches disagree (a Squeeze in one,
@@ -6,15 +6,19 @@ an Identity in the other); onnxruntime may then refuse the reverse ``If``. An
 ``If`` whose condition needs no gradient (a sample rate given as an int
 input, a test on shapes, constants) takes one branch per call: that branch
 alone is differentiated, as torch differentiates the Python branch it ran.
+Likewise a ``Loop`` whose trip count a call decides and whose condition stays
+true is unrolled (its body's shapes need not be declared then).
 
-- :func:`deciding_inputs`: the int (and bool) inputs whose values may decide
-  a condition; their values and the input shapes are what a resolution
-  depends on.
+- :func:`deciding_inputs`: the one-value int (and bool) inputs whose values
+  may decide a condition or a trip count; their values and the input shapes
+  are what a resolution depends on.
 - :func:`resolve`: the graph with each main-graph ``If`` whose condition
   those values, the shapes and constants decide replaced by the branch it
-  takes, nested ones in turn, and the decisions made.
+  takes (nested ones in turn) and each such ``Loop`` unrolled, and the
+  decisions made.
 
-Plain graph code, no torch and no onnxruntime.
+Plain graph code, no torch and no onnxruntime (a caller may pass a function
+that runs one).
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ def resolve(
     values: dict[str, np.ndarray],
     evaluate=None,
 ) -> tuple[onnx.ModelProto, tuple]:
-    """``model`` with the ``If`` nodes a call decides replaced by the branch taken.
+    """``model`` with the ``If`` and ``Loop`` nodes a call decides resolved.
 
     ``shapes``: the call's input shapes (None: the declared ones);
     ``values``: the call's values of :func:`deciding_inputs`;
@@ -119,8 +123,9 @@ def resolve(
     None: folding only.
 
     Returns the new model (``model`` itself when nothing is resolved; inputs
-    keep their declared shapes) and the decisions, ``(If output name, branch
-    taken)`` in the order made: equal decisions give equal models.
+    keep their declared shapes) and the decisions, ``(first output name,
+    branch taken or trip count)`` in the order made: equal decisions give
+    equal models.
     """
     work, decisions = model, []
     while True:

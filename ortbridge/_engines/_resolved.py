@@ -1,12 +1,13 @@
-"""Gradient graphs per resolved ``If`` condition (onnxruntime engine).
+"""Gradient graphs per resolved control flow (onnxruntime engine).
 
-A graph whose main-graph ``If`` conditions follow from the input shapes, a
-few int inputs (a sample rate) and constants is differentiated through the
-branch each call takes (:mod:`.._control_flow`): one
-:class:`~._onnxruntime.OrtGradientGraph` per set of decisions, each
-specialised per input shape as usual. A call's key (input shapes, deciding
-values) is mapped to its decisions once; weights in a branch not taken get
-no gradient (None), as torch leaves an unused parameter's.
+A graph whose main-graph ``If`` conditions (or ``Loop`` trip counts) follow
+from the input shapes, a one-value int input (a sample rate) and constants
+is differentiated through the branch each call takes, loops unrolled
+(:mod:`.._control_flow`): one :class:`~._onnxruntime.OrtGradientGraph` per
+set of decisions, each specialised per input shape as usual. A call's key
+(input shapes, deciding values) is mapped to its decisions once; weights in
+a branch not taken get no gradient (None), as torch leaves an unused
+parameter's.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class ResolvedGradientGraph:
         else:
             # Built now (as other graphs are, so that a graph that cannot train
             # fails at construction) when the declared shapes and constants
-            # decide every If; else at the first call, which decides them.
+            # decide every If and Loop; else at the first call, which decides them.
             resolved, decisions = _control_flow.resolve(model, None, {})
             names = [self._feed_names[p] for p in self._deciding]
             if not _control_flow.call_decides(resolved, names):
