@@ -20,9 +20,10 @@ works around one onnx-ad defect, each checked against finite differences in
   or divides by zero. They read ``ConstantOfShape(Shape(x))``, equal to
   ``x`` (no elements) and constant, so the gradient is the empty one.
 - ``Pad`` with negative widths: a ``Slice`` then a ``Pad``.
-- ``Pad`` in reflect, edge or wrap mode (onnx-ad differentiates constant
-  mode only; Silero VAD's STFT pads by reflection): one ``Gather`` per
-  padded axis, its indices computed from the input's size.
+- ``Pad`` in reflect, edge or wrap mode (onnx-ad refuses them): a ``Gather``
+  per padded axis (:mod:`._ad_rewrites_pad`; Silero VAD's STFT pads by
+  reflection), and ``Pad`` whose widths the graph computes from constants
+  and static shapes: onnx-ad reads widths from a constant only.
 - ``SpaceToDepth`` mode CRD (opset 28), differentiated as DCR: a
   ``Reshape``, ``Transpose``, ``Reshape`` (static channels and sizes).
 - ``Resize`` (tf_crop_and_resize) with an ``extrapolation_value``: onnx-ad
@@ -54,6 +55,7 @@ from onnx import TensorProto, helper, numpy_helper
 from . import _ad_rewrites_conv as conv
 from ._ad_rewrites_bodies import _inferred, _opset, rewrite_bodies
 from ._ad_rewrites_conv import copy_node, ints
+from ._ad_rewrites_pad import copying_pad
 from ._graph_lookup import _all_names, _infer, _unique
 from ._onnx_utils import FLOAT_TYPES, NodeBuilder, attr, np_dtype
 from ._sequence_rewrites import sequences_as_tensors
@@ -196,6 +198,7 @@ class _Graph:
         self.opset = _opset(model)
         self.types, shapes = _infer(model)
         self.shape = shapes.get
+        self._model, self._shapes, self._folder = model, shapes, None
         self.values = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
         self.constants = set(self.values)
         for node in graph.node:
@@ -207,67 +210,18 @@ class _Graph:
                 elif node.attribute[0].name.startswith(("value_int", "value_float")):
                     self.values[node.output[0]] = np.asarray(value)
 
-        self.producers = {out: node for node in graph.node for out in node.output}
-
     def is_constant(self, name: str) -> bool:
         return name in self.constants
 
-    def folded(self, name: str) -> np.ndarray | None:
-        """The value of integer tensor ``name`` where constants and static shapes decide it.
-
-        Pads, axes and shapes that an exporter computes (an old torch export
-        of ``F.pad`` spells its pads out in ten integer nodes; Swin's window
-        padding reads the input's shape) are constants once the shapes are:
-        onnx-ad reads such operands only from constants.
-        """
+    def folded(self, name: str):
+        """The value of ``name`` where constants and static shapes decide it, else None."""
         if name in self.values:
             return self.values[name]
-        node = self.producers.get(name)
-        if node is None or self.types.get(name) not in _INT_TYPES or len(node.output) != 1:
-            return None
-        if node.op_type == "Shape" and node.domain in ("", "ai.onnx"):
-            dims = self.shape(node.input[0])
-            if dims is None or None in dims:
-                return None
-            start, end = attr(node, "start", 0), attr(node, "end", None)
-            value = np.array(dims[start:end] if end is not None else dims[start:], np.int64)
-        elif node.domain not in ("", "ai.onnx") or node.op_type in _NOT_FOLDED:
-            return None
-        else:
-            operands = [self.folded(i) if i else None for i in node.input]
-            if any(v is None for i, v in zip(node.input, operands) if i):
-                return None
-            value = _evaluate(node, operands, self.opset)
-        self.values[name] = value
-        return value
+        if self._folder is None:
+            from ._control_flow import Folder
 
-
-#: Ops whose output is not a function of their operands' values alone.
-_NOT_FOLDED = frozenset(
-    {"RandomUniform", "RandomNormal", "Multinomial", "Bernoulli", "If", "Loop", "Scan"}
-)
-
-
-def _evaluate(node: onnx.NodeProto, operands, opset: int) -> np.ndarray:
-    """``node`` run by onnx's reference evaluator on constant ``operands``."""
-    from onnx.reference import ReferenceEvaluator
-
-    names = [f"in{k}" for k in range(len(operands))]
-    inputs = [n if i else "" for n, i in zip(names, node.input)]
-    single = helper.make_node(node.op_type, inputs, ["out"], domain=node.domain)
-    single.attribute.extend(node.attribute)
-    given = [(n, v) for n, v, i in zip(names, operands, node.input) if i]
-    graph = helper.make_graph(
-        [single],
-        "fold",
-        [
-            helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-            for n, v in given
-        ],
-        [helper.make_tensor_value_info("out", TensorProto.UNDEFINED, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    return np.asarray(ReferenceEvaluator(model).run(None, dict(given))[0])
+            self._folder = Folder(self._model, {}, self._shapes, self.opset)
+        return self._folder.value(name)
 
 
 def _rewrite(node, b, g):
@@ -283,18 +237,21 @@ def _rewrite(node, b, g):
         return None
     if kind in REDUCTIONS:
         return _reduction(node, b, g)
-    if kind == "Pad" and len(node.input) > 1 and g.folded(node.input[1]) is not None:
-        if attr(node, "mode", "constant") != "constant":
-            return _copying_pad(node, b, g)
-        if node.input[1] not in g.constants:
-            # computed pads: onnx-ad reads the widths from a constant
-            return _negative_pad(node, b, g) or [
-                *b.nodes,
-                copy_node(
-                    node,
-                    [node.input[0], ints(b, g.values[node.input[1]].reshape(-1)), *node.input[2:]],
-                ),
-            ]
+    if kind == "Pad" and attr(node, "mode", "constant") in ("reflect", "edge", "wrap"):
+        axes = g.folded(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+        widths = g.folded(node.input[1]) if len(node.input) > 1 else None
+        return copying_pad(node, b, widths, g.shape(node.input[0]), axes)
+    if kind == "Pad" and len(node.input) > 1 and node.input[1] not in g.values:
+        widths = g.folded(node.input[1])
+        if widths is None:
+            return None
+        # computed widths, constant here (old torch exports of F.pad, Swin's windows)
+        g.values[node.input[1]] = widths
+        return _negative_pad(node, b, g) or [
+            *b.nodes,
+            copy_node(node, [node.input[0], ints(b, widths.reshape(-1)), *node.input[2:]]),
+        ]
+    if kind == "Pad" and len(node.input) > 1 and node.input[1] in g.values:
         return _negative_pad(node, b, g)
     if kind == "SpaceToDepth" and attr(node, "mode", "DCR") == "CRD":
         return _space_to_depth_crd(node, b, g)
@@ -345,53 +302,6 @@ def _negative_pad(node, b, g):
     cropped = conv.pad_or_crop(b, node.input[0], dims, crop[:half], crop[half:], first=0)
     padded = ints(b, [max(0, w) for w in widths])
     return [*b.nodes, copy_node(node, [cropped, padded, *node.input[2:]])]
-
-
-def _scalar(b, value: int) -> str:
-    """An int64 scalar (``NodeBuilder.const`` makes constants of the data's type)."""
-    return b.op("Constant", value=numpy_helper.from_array(np.array(value, np.int64)))
-
-
-def _copying_pad(node, b, g):
-    """A reflect, edge or wrap Pad as one Gather per padded axis.
-
-    The index of each output position along the axis is computed from the
-    input's size at run time (any shape): for position ``j`` in
-    ``[-before, n + after)``, reflect reads ``(n-1) - |(n-1) - |j||``, edge
-    ``clip(j, 0, n-1)``, wrap ``j mod n``. Gather's adjoint scatter-adds
-    onto the values each copy was read from, which onnx-ad differentiates.
-    """
-    mode = attr(node, "mode")
-    widths = [int(v) for v in g.values[node.input[1]].reshape(-1)]
-    axes_given = len(node.input) > 3 and node.input[3]
-    if mode not in ("reflect", "edge", "wrap") or min(widths, default=0) < 0:
-        return None
-    if axes_given:
-        if g.folded(node.input[3]) is None:
-            return None
-        axes = [int(a) for a in g.values[node.input[3]].reshape(-1)]
-    else:
-        axes = list(range(len(widths) // 2))
-    half = len(widths) // 2
-    current = node.input[0]
-    shape = b.op("Shape", current)
-    for k, axis in enumerate(axes):
-        before, after = widths[k], widths[half + k]
-        if before == after == 0:
-            continue
-        n = b.op("Gather", shape, _scalar(b, axis))
-        end = b.op("Add", n, _scalar(b, after))
-        positions = b.op("Range", _scalar(b, -before), end, _scalar(b, 1))
-        last = b.op("Sub", n, _scalar(b, 1))
-        if mode == "reflect":
-            inner = b.op("Abs", b.op("Sub", last, b.op("Abs", positions)))
-            read = b.op("Sub", last, inner)
-        elif mode == "edge":
-            read = b.op("Max", b.op("Min", positions, last), _scalar(b, 0))
-        else:
-            read = b.op("Mod", positions, n)
-        current = b.op("Gather", current, read, axis=axis)
-    return [*b.nodes, helper.make_node("Identity", [current], [node.output[0]], node.name)]
 
 
 def _space_to_depth_crd(node, b, g):

@@ -82,7 +82,8 @@ class Bridge:
         weights = [n for n, need in zip(self.weight_names, needs_grad[n_in:]) if need]
         batch_norms = self.batch_norms if mode == _graph.TRAIN else ()
         if self.engine == _engines.ONNXRUNTIME:
-            return _engines.graph_class(self.engine)(
+            return _engines.gradient_graph(
+                self.engine,
                 model,
                 self.feed_names,
                 inputs + weights,

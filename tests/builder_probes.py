@@ -150,3 +150,38 @@ def reshape_allowzero_beside_a_weight():
         "reshape_allowzero_beside_a_weight", "Reshape", nodes, ["x", "w"],
         [_random(0, 3, 4), _random(2)], ["y"], initializers=init,
     )  # fmt: skip
+
+
+def _if_reading(name, source):
+    """An If on a shape test (x has 3 elements) whose branches read ``source`` from outside."""
+    then = h.make_graph(
+        [h.make_node("Neg", [source], ["a"])],
+        "then",
+        [],
+        [h.make_tensor_value_info("a", T.FLOAT, None)],
+    )
+    other = h.make_graph(
+        [h.make_node("Abs", [source], ["b"])],
+        "else",
+        [],
+        [h.make_tensor_value_info("b", T.FLOAT, None)],
+    )
+    nodes = [
+        h.make_node("Relu", ["x"], ["r"]),
+        h.make_node("Size", ["x"], ["n"]),
+        h.make_node("Equal", ["n", "three"], ["c"]),
+        h.make_node("If", ["c"], ["i"], then_branch=then, else_branch=other),
+        h.make_node("Add", ["i", "r"], ["y"]),
+    ]
+    init = [nh.from_array(np.array(3, np.int64), "three")]
+    return _case(name, "If", nodes, ["x"], [_random(3)], ["y"], initializers=init, shapes=[[3]])
+
+
+def if_reading_an_input():
+    """An If whose branches read a graph input (a weight, once weights are inputs)."""
+    return _if_reading("if_reading_an_input", "x")
+
+
+def if_reading_a_computed_tensor():
+    """An If whose branches read a tensor computed before it (Silero VAD's decoder)."""
+    return _if_reading("if_reading_a_computed_tensor", "r")

@@ -82,3 +82,20 @@ def graph_class(engine: str):
     from ._onnxruntime import OrtGradientGraph
 
     return OrtGradientGraph
+
+
+def gradient_graph(engine: str, model: onnx.ModelProto, *args, **kwargs):
+    """The gradient graph of ``engine`` for ``model`` (arguments of its class).
+
+    On the onnxruntime engine, a graph with main-graph ``If`` or ``Loop``
+    nodes gets one gradient graph per branch a call takes (and per trip count
+    of a loop it unrolls; :mod:`._resolved`).
+    """
+    if engine == ONNXRUNTIME:
+        from .._control_flow import main_control_flow
+
+        if main_control_flow(model):
+            from ._resolved import ResolvedGradientGraph
+
+            return ResolvedGradientGraph(model, *args, **kwargs)
+    return graph_class(engine)(model, *args, **kwargs)

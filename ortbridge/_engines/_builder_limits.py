@@ -26,7 +26,7 @@ from collections.abc import Callable
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from .._onnx_utils import attr, gradient_path, node_reads
+from .._onnx_utils import FLOAT_TYPES, attr, gradient_path, node_reads, subgraph_reads
 
 WRONG = "silently wrong gradient"
 CRASH = "kills the process"
@@ -64,6 +64,7 @@ class _Facts:
         self.arrays = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
         self.constants = {k: v for k, v in self.arrays.items() if v.ndim == 0}
         self.graph_outputs = {o.name for o in model.graph.output}
+        self.graph_inputs = {i.name for i in model.graph.input}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for node in model.graph.node:
             for name in node_reads(node):
@@ -160,6 +161,25 @@ def _always(node, _):
     return True
 
 
+def _outer_float_reads(node, facts) -> list[str]:
+    """Float tensors (or of unknown type) ``node``'s bodies read from outside."""
+    reads = set()
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            reads |= subgraph_reads(a.g)
+    return [n for n in sorted(reads) if facts.types.get(n, TensorProto.FLOAT) in FLOAT_TYPES]
+
+
+def _if_reads_computed(node, facts):
+    given = facts.graph_inputs | set(facts.arrays)
+    return any(n not in given for n in _outer_float_reads(node, facts))
+
+
+def _if_reads_given(node, facts):
+    given = facts.graph_inputs | set(facts.arrays)
+    return any(n in given for n in _outer_float_reads(node, facts))
+
+
 #: The table. ``probe``: a node test case, or a graph of ``tests/builder_probes.py``.
 LIMITS: tuple[Limit, ...] = (
     Limit(
@@ -196,6 +216,16 @@ LIMITS: tuple[Limit, ...] = (
         "loop_of_weight",
     ),
     Limit("scan", ("Scan",), FAILS, "a Scan", _always, "test_scan9_sum"),
+    Limit(
+        "if-reads-computed", ("If",), CRASH,
+        "a branch reading a float tensor computed outside it", _if_reads_computed,
+        "if_reading_a_computed_tensor",
+    ),
+    Limit(
+        "if-reads-input", ("If",), FAILS,
+        "a branch reading a float graph input or weight (the builder looks for it by "
+        "name and does not find it)", _if_reads_given, "if_reading_an_input",
+    ),
     Limit(
         "conv-transpose", ("ConvTranspose",), NO_KERNEL, "any", _always, "test_convtranspose"
     ),

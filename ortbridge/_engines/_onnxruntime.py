@@ -100,7 +100,7 @@ class OrtGradientGraph:
             self._built = None
             # Checks now that the graph can be differentiated at all, on a
             # stand-in shape (dynamic dimensions as 2); real shapes are built on use.
-            shapes = _stand_in_shapes(model, self.n_inputs)
+            shapes = _stand_in_shapes(model, self.n_inputs, tensors)
             first = _Built(*self._args, self._batch_norms, static=shapes)
             self._by_shape[shapes] = first
         self.n_user_outputs = first.n_user_outputs
@@ -180,7 +180,11 @@ class _NeedsStaticShapes(Exception):
     pass
 
 
-def _stand_in_shapes(model, n_inputs):
+def _stand_in_shapes(model, n_inputs, tensors=None):
+    if tensors is not None and all(t is not None for t in tensors[:n_inputs]):
+        # A call's own shapes: a stand-in may be too small for the graph
+        # (a convolution longer than 2 samples).
+        return tuple(tuple(t.shape) for t in tensors[:n_inputs])
     shapes = []
     for vi in list(model.graph.input)[:n_inputs]:
         dims = vi.type.tensor_type.shape.dim
