@@ -46,7 +46,7 @@ def _one(model, steps: int) -> dict:
         return {"model": model.id, "error": f"{type(exc).__name__}: {exc}"[:300]}
     built = time.perf_counter() - start
     params = list(layer.parameters())
-    feeds = model.feeds()
+    feeds = model.feeds(layer.input_names)
     optimizer = torch.optim.SGD(params, lr=1e-4) if params else None
 
     def step():

@@ -33,21 +33,25 @@ class Published:
     inputs: dict
     #: Why the model does not train yet (an xfail reason), or None.
     pending: str | None = None
+    #: Told apart in test ids where one file is checked on several inputs.
+    variant: str = ""
 
     @property
     def id(self) -> str:
-        return pathlib.PurePosixPath(self.member).stem
+        stem = pathlib.PurePosixPath(self.member).stem
+        return f"{stem}-{self.variant}" if self.variant else stem
 
-    def feeds(self, seed: int = 0) -> list[torch.Tensor]:
+    def feeds(self, names, seed: int = 0) -> list[torch.Tensor]:
+        """Inputs in the order ``names`` (the graph's) gives."""
         rng = np.random.default_rng(seed)
-        out = []
-        for spec in self.inputs.values():
+        out = {}
+        for name, spec in self.inputs.items():
             if isinstance(spec, np.ndarray):
-                out.append(torch.from_numpy(spec.copy()))
+                out[name] = torch.from_numpy(spec.copy())
             else:
                 shape, dtype = spec
-                out.append(torch.from_numpy((0.5 * rng.standard_normal(shape)).astype(dtype)))
-        return out
+                out[name] = torch.from_numpy((0.5 * rng.standard_normal(shape)).astype(dtype))
+        return [out[name] for name in names]
 
 
 _SILERO = ("silero-vad", "6.2.3")
@@ -55,13 +59,14 @@ _RAPIDOCR = ("rapidocr", "3.10.0")
 _F32 = np.float32
 
 
-def _vad(member, *, sr=True, state=True, pending=None, batch=2, samples=512):
-    inputs = {"input": ((batch, samples), _F32)}
-    if state:
-        inputs["state"] = ((2, batch, 128), _F32)
+def _vad(member, *, sr=True, rate=16000, batch=2, samples=None):
+    """Silero VAD takes 512 samples a chunk at 16 kHz, 256 at 8 kHz (its ``If`` on ``sr``)."""
+    samples = samples or (512 if rate == 16000 else 256)
+    inputs = {"input": ((batch, samples), _F32), "state": ((2, batch, 128), _F32)}
     if sr:
-        inputs["sr"] = np.array(16000, np.int64)
-    return Published(*_SILERO, f"silero_vad/data/{member}", inputs, pending)
+        inputs["sr"] = np.array(rate, np.int64)
+    variant = f"{rate // 1000}k" if sr else ""
+    return Published(*_SILERO, f"silero_vad/data/{member}", inputs, variant=variant)
 
 
 #: The corpus, in test order.
@@ -72,10 +77,12 @@ CORPUS = [
         {"input": ((3, 576), _F32), "h": ((1, 1, 128), _F32), "c": ((1, 1, 128), _F32)},
     ),
     _vad("silero_vad_openvino_16k.onnx", sr=False, batch=1, samples=576),
-    _vad("silero_vad.onnx", pending="If on the sample rate is not resolved at the call yet"),
-    _vad("silero_vad_16k_op15.onnx", pending="If on the sample rate is not resolved yet"),
-    _vad("silero_vad_half.onnx", sr=False, pending="If on shapes is not resolved yet"),
-    _vad("silero_vad_op18_ifless.onnx", pending="the backward graph's If fails shape inference"),
+    _vad("silero_vad.onnx"),
+    _vad("silero_vad.onnx", rate=8000),
+    _vad("silero_vad_16k_op15.onnx"),
+    _vad("silero_vad_half.onnx", sr=False),
+    _vad("silero_vad_op18_ifless.onnx"),
+    _vad("silero_vad_op18_ifless.onnx", rate=8000),
     Published(
         *_RAPIDOCR,
         "rapidocr/models/PP-OCRv6_det_small.onnx",
