@@ -12,6 +12,7 @@ import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
 from . import _activations
+from ._graph_exporter_forms import older_forms_rewritten
 from ._graph_lookup import _all_names, _infer, _unique
 from ._model_checks import check_runnable
 from ._onnx_utils import FLOAT_TYPES, np_dtype
@@ -23,7 +24,10 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     """Rewrite nodes onnxruntime's gradient builder refuses into equivalent ones.
 
     The model is first checked (:func:`._model_checks.check_runnable`): what
-    onnxruntime could not load is refused in plain words.
+    onnxruntime could not load is refused in plain words. Forms older
+    exporters write (unknown dimensions named ``?``, BatchNormalization with
+    unread statistics outputs) are rewritten next
+    (:mod:`._graph_exporter_forms`).
 
     - ``CastLike`` has no registered gradient: it becomes a ``Cast`` to the
       statically known type of its second input.
@@ -49,6 +53,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
       no weight into a sequence.
     """
     check_runnable(model)
+    older_forms_rewritten(model)
     model = _at_least_opset(model, MIN_OPSET)
     model = sequences_as_tensors(model, loops=False)
     graph = model.graph
