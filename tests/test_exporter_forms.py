@@ -2,7 +2,8 @@
 
 Each graph reproduces one form of a published paddle2onnx model: input
 dimensions named ``?``, BatchNormalization with its optional statistics
-outputs, an IR 7 file. References: onnxruntime inference of the file, torch's BatchNorm, and
+outputs, an IR 7 file, a BatchNormalization whose input rank only a run can
+tell. References: onnxruntime inference of the file, torch's BatchNorm, and
 finite differences (:func:`ortbridge.gradcheck`).
 """
 
@@ -15,7 +16,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import ortbridge
-from ortbridge import OnnxModule
+from ortbridge import OnnxModule, _call_ranks
 from ortbridge._call_checks import shared_dims
 from ortbridge._engines._onnxruntime import SPECIALISED_SHAPES
 from ortbridge._graph_load import TensorSpec
@@ -198,6 +199,45 @@ def test_ir7_conv_batch_norm_file():
         assert report, str(report)
 
 
+def _rank_hidden_model():
+    """x reshaped to a shape computed at run time (as older paddle2onnx does), then BN."""
+    float_shape = helper.make_node("Cast", ["shape"], ["shape_f"], to=TensorProto.FLOAT)
+    back = helper.make_node("Cast", ["shape_f"], ["shape_i"], to=TensorProto.INT64)
+    before = (
+        helper.make_node("Shape", ["x"], ["shape"]),
+        float_shape,
+        back,
+        helper.make_node("Reshape", ["x", "shape_i"], ["xr"]),
+    )
+    return _bn_model(before=before)
+
+
+def test_batch_norm_rank_known_only_from_the_call():
+    model = _rank_hidden_model()
+    model.graph.input[0].type.tensor_type.ClearField("shape")  # any rank may come
+    assert _call_ranks.unknown_ranks(ortbridge._graph.normalize(model)) == ["xr"]
+    x = torch.randn(4, C, 5, 6)
+    module = _check_batch_norm_modes(model, x)
+    module.eval()
+    # Inputs of another rank: the rank is learnt again.
+    x3 = torch.randn(4, C, 7)
+    with torch.no_grad():
+        reference = _torch_bn().eval()
+        reference.running_mean.copy_(module.bn.running_mean)  # updated in train mode above
+        reference.running_var.copy_(module.bn.running_var)
+        expected = reference(x3.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(module(x3), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_batch_norm_rank_from_the_call_frozen():
+    module = OnnxModule(_rank_hidden_model(), batch_norm="frozen").train()
+    x = torch.randn(4, C, 5, 6)
+    reference = _torch_bn().eval()
+    torch.testing.assert_close(module(x), reference(x), rtol=1e-4, atol=1e-5)
+    report = ortbridge.gradcheck(module, x.clone().requires_grad_(True))
+    assert report, str(report)
+
+
 def test_shared_dims_leave_question_marks_out():
     # Specs as a model that skipped normalisation would give them.
     specs = [
@@ -205,3 +245,20 @@ def test_shared_dims_leave_question_marks_out():
         TensorSpec("b", TensorProto.FLOAT, ("?", "n")),
     ]
     assert shared_dims(specs) == {"n": [(0, 1), (1, 1)]}
+
+
+def test_batch_norm_statistics_from_nodes_train_mode():
+    # Statistics read through Identity nodes (exporters merge equal
+    # initializers so): not tracked, yet batch statistics in train mode, and
+    # the module still returns only the graph's output.
+    model = _bn_model()
+    bn = model.graph.node[0]
+    for k in (3, 4):
+        name = bn.input[k]
+        bn.input[k] = f"{name}_read"
+        model.graph.node.insert(0, helper.make_node("Identity", [name], [f"{name}_read"]))
+    module = OnnxModule(model).train()
+    x = torch.randn(4, C, 5, 6)
+    with torch.no_grad():
+        out = module(x)
+    torch.testing.assert_close(out, _torch_bn().train()(x), rtol=1e-4, atol=1e-5)
