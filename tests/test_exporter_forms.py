@@ -262,3 +262,12 @@ def test_batch_norm_statistics_from_nodes_train_mode():
     with torch.no_grad():
         out = module(x)
     torch.testing.assert_close(out, _torch_bn().train()(x), rtol=1e-4, atol=1e-5)
+    # The gradient graph computes the same function (batch statistics).
+    leaf, ref_leaf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out, expected = module(leaf), _torch_bn().train()(ref_leaf)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    (out**2).sum().backward()
+    (expected**2).sum().backward()
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-4, atol=1e-5)
+    report = ortbridge.gradcheck(module, x.clone().requires_grad_(True))
+    assert report, str(report)
