@@ -187,7 +187,9 @@ def test_ir7_conv_batch_norm_file():
     model = _bn_model(outputs=("y0",), before=(conv,))
     model.graph.node.extend([hard, clip])
     model.graph.initializer.extend([conv_w, lo, hi])
-    model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 2
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    dims[0].dim_value = -1  # paddle2onnx's batch dimension
+    dims[1].dim_value = 2
     assert model.ir_version == 7
     module = OnnxModule(model).eval()
     x = torch.randn(2, 2, 5, 4)
