@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx
 import torch
 
-from . import _engines, _graph
+from . import _call_ranks, _engines, _graph
 from ._runtime import InferenceGraph, current_stream
 from .exceptions import NotDifferentiableError, OnnxInputError, OnnxModelError
 
@@ -49,16 +49,40 @@ class Bridge:
         self.running_stat_positions = {p for pair in self._stat_positions for p in pair}
         self._gradient_graphs: dict = {}
         self._inference_graphs: dict = {}
+        #: Tensors whose rank only a call can tell (:mod:`._call_ranks`); the
+        #: graphs are then built, and cached, per input ranks.
+        self.unknown_ranks = [] if as_is else _call_ranks.unknown_ranks(model)
+        self._ranked_models: dict = {}
 
-    def _variant(self, mode: str, for_gradient: bool):
+    def _variant(self, mode: str, for_gradient: bool, tensors=None):
         if self.as_is:
             copy = onnx.ModelProto()
             copy.CopyFrom(self.model)
             return copy, []
+        model = self._ranked_model(tensors) if self.unknown_ranks else self.model
         model, extra = _graph.make_variant(
-            self.model, mode, self.frozen_batch_norm, for_gradient=for_gradient
+            model, mode, self.frozen_batch_norm, for_gradient=for_gradient
         )
         return _graph.weights_as_inputs(model, self.weight_names), extra
+
+    def _ranked_model(self, tensors):
+        """The graph with the ranks of :attr:`unknown_ranks` declared, for these inputs."""
+        inputs = None if tensors is None else tensors[: len(self.input_names)]
+        if inputs is None or any(t is None for t in inputs):
+            raise _call_ranks.CallShapesNeeded(
+                f"the rank of {self.unknown_ranks[:3]} (input(s) of BatchNormalization) is "
+                "declared nowhere in the graph: it is learnt from the inputs at the first call"
+            )
+        key = _input_ranks(tensors, len(self.input_names))
+        model = self._ranked_models.get(key)
+        if model is None:
+            feeds = {n: t.detach().cpu().numpy() for n, t in zip(self.input_names, inputs)}
+            ranks = _call_ranks.observed_ranks(self.model, self.unknown_ranks, feeds)
+            model = onnx.ModelProto()
+            model.CopyFrom(self.model)
+            _call_ranks.declare_ranks(model, ranks)
+            self._ranked_models[key] = model
+        return model
 
     def gradient_graph(self, mode: str, needs_grad: tuple, device: torch.device, tensors=None):
         """The engine's gradient graph for ``mode``, ``device`` and the tensors needing grad.
@@ -69,6 +93,8 @@ class Bridge:
         # Called on every forward: the key is built without extra calls.
         stream = current_stream(device) if device.type == "cuda" else None
         key = (mode, needs_grad if type(needs_grad) is tuple else tuple(needs_grad), device, stream)
+        if self.unknown_ranks:
+            key += (_input_ranks(tensors, len(self.input_names)),)
         graph = self._gradient_graphs.get(key)
         if graph is None:
             graph = self._build(mode, key[1], device, tensors)
@@ -76,7 +102,7 @@ class Bridge:
         return graph
 
     def _build(self, mode: str, needs_grad: tuple, device: torch.device, tensors=None):
-        model, _ = self._variant(mode, for_gradient=True)
+        model, _ = self._variant(mode, for_gradient=True, tensors=tensors)
         n_in = len(self.input_names)
         inputs = [n for n, need in zip(self.input_names, needs_grad[:n_in]) if need]
         weights = [n for n, need in zip(self.weight_names, needs_grad[n_in:]) if need]
@@ -171,11 +197,13 @@ class Bridge:
             function = self.function = make_function(self.model.graph.name or "reverse")
         return function.apply(self, _graph.EVAL, *tensors)
 
-    def inference_graph(self, mode: str, device: torch.device) -> InferenceGraph:
+    def inference_graph(self, mode: str, device: torch.device, tensors=None) -> InferenceGraph:
         key = (mode, device, current_stream(device))
+        if self.unknown_ranks:
+            key += (_input_ranks(tensors, len(self.input_names)),)
         graph = self._inference_graphs.get(key)
         if graph is None:
-            model, _ = self._variant(mode, for_gradient=False)
+            model, _ = self._variant(mode, for_gradient=False, tensors=tensors)
             graph = InferenceGraph(
                 model, device, self.session_options, self.providers, seeded=mode == _graph.TRAIN
             )
@@ -234,8 +262,14 @@ class Bridge:
         return counts
 
     def run_inference(self, mode: str, tensors, device: torch.device) -> list[torch.Tensor]:
-        graph = self.inference_graph(mode, device)
+        graph = self.inference_graph(mode, device, tensors)
         outputs = graph.run(dict(zip(self.feed_names, tensors)))
         n_user = len(outputs) - (2 * len(self.batch_norms) if mode == _graph.TRAIN else 0)
         self.update_running_stats(tensors, outputs[n_user:])
         return outputs[:n_user]
+
+
+def _input_ranks(tensors, n_inputs: int) -> tuple | None:
+    if tensors is None or any(t is None for t in tensors[:n_inputs]):
+        return None
+    return tuple(t.dim() for t in tensors[:n_inputs])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ._graph_exporter_forms import UNKNOWN_DIM_NAMES
 from .exceptions import OnnxInputError, OnnxTypeError, OrtBridgeError
 
 #: torch dtypes of the float initializers, by numpy dtype string.
@@ -30,11 +31,14 @@ def torch_dtype(spec) -> torch.dtype:
 
 
 def shared_dims(specs) -> dict[str, list[tuple[int, int]]]:
-    """Symbolic dimensions two inputs share, with their places: one size each at a call."""
+    """Symbolic dimensions two inputs share, with their places: one size each at a call.
+
+    ``?`` (paddle2onnx's name for any unknown axis) ties nothing together.
+    """
     where: dict[str, list] = {}
     for i, spec in enumerate(specs):
         for axis, dim in enumerate(spec.shape or ()):
-            if isinstance(dim, str):
+            if isinstance(dim, str) and dim not in UNKNOWN_DIM_NAMES:
                 where.setdefault(dim, []).append((i, axis))
     return {d: places for d, places in where.items() if len(places) > 1}
 

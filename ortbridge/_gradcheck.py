@@ -123,14 +123,6 @@ def gradcheck(
         raise OnnxTypeError(f"gradcheck takes an OnnxModule, got {type(module).__name__}")
     bridge = module._bridge
     mode = _graph.TRAIN if module.training else _graph.EVAL
-    model, _ = bridge._variant(mode, for_gradient=False)
-    if mode == _graph.TRAIN and any(n.op_type == "Dropout" for n in model.graph.node):
-        raise OnnxInputError(
-            "gradcheck needs a deterministic graph, and a Dropout in train mode draws a new "
-            "mask at every run: call module.eval() first"
-        )
-    n_user = len(module.output_names)
-    del model.graph.output[n_user:]  # train mode's running statistics are not checked
     n_in = len(bridge.input_names)
     if len(inputs) != n_in:
         raise OnnxInputError(
@@ -138,6 +130,14 @@ def gradcheck(
         )
     weights = module._weights()
     tensors = [torch.as_tensor(t) for t in inputs] + list(weights)
+    model, _ = bridge._variant(mode, for_gradient=False, tensors=tensors)
+    if mode == _graph.TRAIN and any(n.op_type == "Dropout" for n in model.graph.node):
+        raise OnnxInputError(
+            "gradcheck needs a deterministic graph, and a Dropout in train mode draws a new "
+            "mask at every run: call module.eval() first"
+        )
+    n_user = len(module.output_names)
+    del model.graph.output[n_user:]  # train mode's running statistics are not checked
     checked = [
         i for i, t in enumerate(tensors) if t.is_floating_point() and (i < n_in or t.requires_grad)
     ]

@@ -21,6 +21,7 @@ from ._graph_batch_norm import (
     _decompose_batch_norm,
     batch_norm_nodes,
     batch_var_from_inv_std,
+    training_form,
     unbiased_running_var,
     values_per_channel,
 )
@@ -62,6 +63,10 @@ def make_variant(
     graph = variant.graph
     taken = _all_names(graph)
     ranks = _ranks(variant)
+    opset = next((o.version for o in variant.opset_import if o.domain in ("", "ai.onnx")), 1)
+    # Only these nodes' new running statistics are outputs (untracked ones,
+    # statistics computed by nodes, still use batch statistics).
+    tracked = {b.output for b in batch_norm_nodes(variant)}
     true_name = None
     new_nodes, extra_outputs, batch_norms = [], [], []
     consumed = {name for node in graph.node for name in node.input}
@@ -89,12 +94,10 @@ def make_variant(
             elif not for_gradient:
                 # Inference session in train mode: the training kernel
                 # computes batch statistics and the new running statistics.
-                _strip_training_attr(node)
-                node.attribute.append(helper.make_attribute("training_mode", 1))
-                outs = [_unique(f"{node.output[0]}_running_{s}", taken) for s in ("mean", "var")]
-                node.output.extend(outs)
+                outs = training_form(node, opset, taken)
                 new_nodes.append(node)
-                batch_norms.append((node, outs))
+                if node.output[0] in tracked:
+                    batch_norms.append((node, outs))
             else:
                 new_nodes.append(node)
         else:
@@ -111,7 +114,7 @@ def make_variant(
                 f"node {node.name!r} (BatchNormalization): the rank of its input {x!r} is "
                 "unknown; run onnx.shape_inference on the model or give the input a shape"
             )
-        batch_var = _batch_var(graph, x, ranks[x])
+        batch_var = _batch_var(graph, x, ranks[x], opset)
         extra_outputs.append(mean)
         extra_outputs.append(unbiased_running_var(graph, x, var, batch_var, momentum, elem))
     for name in extra_outputs:
@@ -135,12 +138,6 @@ def predicting_model(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _ranks(model: onnx.ModelProto) -> dict[str, int]:
     return {name: len(shape) for name, shape in _infer(model)[1].items()}
-
-
-def _strip_training_attr(node):
-    keep = [a for a in node.attribute if a.name != "training_mode"]
-    del node.attribute[:]
-    node.attribute.extend(keep)
 
 
 def _set_dropout_input(node, pos, name):

@@ -77,6 +77,27 @@ def values_per_channel(
     return counts
 
 
+def training_form(node: onnx.NodeProto, opset: int, taken: set[str]) -> list[str]:
+    """Make ``node`` (BatchNormalization, one output) compute batch statistics; return the
+    names of its new running mean and variance.
+
+    From opset 14 the ``training_mode`` attribute asks for it, with three
+    outputs; before, the five-output form does (onnxruntime's kernel then
+    updates the running statistics as it does from opset 14).
+    """
+    keep = [a for a in node.attribute if a.name != "training_mode"]
+    del node.attribute[:]
+    node.attribute.extend(keep)
+    del node.output[1:]
+    suffixes = ("running_mean", "running_var")
+    if opset >= 14:
+        node.attribute.append(helper.make_attribute("training_mode", 1))
+    else:
+        suffixes += ("saved_mean", "saved_inv_std")
+    node.output.extend(_unique(f"{node.output[0]}_{s}", taken) for s in suffixes)
+    return list(node.output[1:3])
+
+
 def unbiased_running_var(
     graph: onnx.GraphProto, x: str, new_var: str, batch_var: str, momentum: float, elem: int
 ) -> str:
@@ -135,20 +156,25 @@ def batch_var_from_inv_std(graph: onnx.GraphProto, inv_std: str, epsilon: float,
     return out
 
 
-def _batch_var(graph: onnx.GraphProto, x: str, rank: int) -> str:
+def _batch_var(graph: onnx.GraphProto, x: str, rank: int, opset: int) -> str:
     """Biased per-channel variance of ``x`` (channels on axis 1)."""
     taken = _all_names(graph)
     axes, mean, diff, square, out = (
         _unique(f"{x}_{s}", taken) for s in ("axes", "mean", "diff", "sq", "var")
     )
     reduce = [0, *range(2, rank)]
-    graph.initializer.append(numpy_helper.from_array(np.array(reduce, dtype=np.int64), axes))
+    # ReduceMean reads its axes from an input from opset 18, before from an attribute.
+    if opset >= 18:
+        graph.initializer.append(numpy_helper.from_array(np.array(reduce, dtype=np.int64), axes))
+        axes_in, axes_attr = [axes], {}
+    else:
+        axes_in, axes_attr = [], {"axes": reduce}
     graph.node.extend(
         [
-            helper.make_node("ReduceMean", [x, axes], [mean], keepdims=1),
+            helper.make_node("ReduceMean", [x, *axes_in], [mean], keepdims=1, **axes_attr),
             helper.make_node("Sub", [x, mean], [diff]),
             helper.make_node("Mul", [diff, diff], [square]),
-            helper.make_node("ReduceMean", [square, axes], [out], keepdims=0),
+            helper.make_node("ReduceMean", [square, *axes_in], [out], keepdims=0, **axes_attr),
         ]
     )
     return out

@@ -12,6 +12,7 @@ import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
 from . import _activations
+from ._graph_exporter_forms import older_forms_rewritten
 from ._graph_lookup import _all_names, _infer, _unique
 from ._graph_weights import lift_constant_weights
 from ._model_checks import check_runnable
@@ -24,11 +25,12 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     """Rewrite nodes onnxruntime's gradient builder refuses into equivalent ones.
 
     The model is first checked (:func:`._model_checks.check_runnable`): what
-    onnxruntime could not load is refused in plain words.
-
-    - Weights and running statistics held in ``Constant`` nodes become
-      initializers (:func:`._graph_weights.lift_constant_weights`), first, so
-      that the rewrites below do not see them as constants.
+    onnxruntime could not load is refused in plain words. Weights and running
+    statistics held in ``Constant`` nodes become initializers next
+    (:func:`._graph_weights.lift_constant_weights`), before any rewrite below
+    takes them for constants; then forms older exporters write (unknown
+    dimensions named ``?``, BatchNormalization with unread statistics
+    outputs) are rewritten (:mod:`._graph_exporter_forms`).
 
     - ``CastLike`` has no registered gradient: it becomes a ``Cast`` to the
       statically known type of its second input.
@@ -55,6 +57,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     """
     check_runnable(model)
     lift_constant_weights(model)
+    older_forms_rewritten(model)
     model = _at_least_opset(model, MIN_OPSET)
     model = sequences_as_tensors(model, loops=False)
     graph = model.graph

@@ -31,6 +31,7 @@ from ._call_checks import (
     shared_dims,
     torch_dtype,
 )
+from ._call_ranks import CallShapesNeeded
 from ._function import function_name, make_function
 from ._module_weights import attribute_path, choose_trainable, fetch, weights_repr
 from .exceptions import NotDifferentiableError, OnnxInputError
@@ -184,6 +185,8 @@ class OnnxModule(nn.Module):
                 feeds = [None] * len(self._summary.inputs) + self._weights()
                 self._bridge.gradient_graph(_graph.TRAIN, needs, device, feeds)
                 return
+            except CallShapesNeeded:
+                return  # only a call's inputs tell what the graph needs: checked then
             except NotDifferentiableError as exc:
                 # The static analysis may miss a path the builder knows to be
                 # dead: by default such weights simply stay frozen.

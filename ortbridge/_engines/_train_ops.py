@@ -40,7 +40,9 @@ def lower_training_nodes(model: onnx.ModelProto, batch_norms) -> tuple[list[str]
     ``model`` is the train-mode variant (Dropout with ``training_mode`` true,
     BatchNormalization in training form). ``batch_norms`` are the
     :class:`~ortbridge._graph.BatchNormStats` whose running statistics are
-    tracked; the other BatchNormalization nodes were decomposed before.
+    tracked; the other BatchNormalization nodes left (statistics computed by
+    nodes) use batch statistics without updates; frozen ones were decomposed
+    before.
     """
     graph = model.graph
     taken = _all_names(graph)
@@ -60,11 +62,14 @@ def lower_training_nodes(model: onnx.ModelProto, batch_norms) -> tuple[list[str]
     for node in graph.node:
         if node.domain not in ("", "ai.onnx"):
             new_nodes.append(node)
-        elif node.op_type == "BatchNormalization" and node.output[0] in by_output:
-            bn = by_output[node.output[0]]
+        elif node.op_type == "BatchNormalization":
+            # Untracked ones (statistics not initializers) use batch statistics
+            # too, as the inference variant does; only their updates are dropped.
+            bn = by_output.get(node.output[0])
             built, stats = _batch_norm(node, bn, types, shapes, opset, fresh)
             new_nodes.extend(built)
-            stats_for[bn.output] = stats
+            if bn is not None:
+                stats_for[bn.output] = stats
         elif node.op_type == "Dropout":
             built, mask = _dropout(node, consts, types, shapes, fresh)
             new_nodes.extend(built)
@@ -142,6 +147,8 @@ def _batch_norm(node, bn, types, shapes, opset, fresh):
     inv_std = b.op("Reciprocal", b.op("Sqrt", b.op("Add", batch_var, b.const(eps))))
     normed = b.op("Mul", centred, inv_std)
     b.op("Add", b.op("Mul", normed, as_channels(scale)), as_channels(bias), out=node.output[0])
+    if bn is None:
+        return b.nodes, []
     # Running statistics as torch updates them: momentum m of torch is
     # 1 - ONNX's momentum; torch keeps the unbiased batch variance.
     keep = bn.momentum
