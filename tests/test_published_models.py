@@ -57,7 +57,7 @@ def test_published_model_fine_tunes(published):
         np.testing.assert_allclose(g.numpy(), e, rtol=1e-4, atol=1e-5)
 
     # Gradients against central finite differences of onnxruntime inference.
-    report = ortbridge.gradcheck(layer, *feeds, samples=3)
+    report = ortbridge.gradcheck(layer, *feeds, samples=3, **published.gradcheck)
     assert report, str(report)
 
     # A few SGD steps lower a loss that pulls the outputs towards a nudged
