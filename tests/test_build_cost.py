@@ -1,0 +1,118 @@
+"""What building a gradient graph costs: counted work, never wall time.
+
+A published model's reverse graph has tens of thousands of nodes: a pass
+whose name lookups grow with the square of that, or sessions made for a
+graph that never runs, cost minutes there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import ENGINES
+from onnx import TensorProto, helper, numpy_helper
+
+from ortbridge import OnnxModule, _graph_lookup
+from ortbridge._engines import _onnxruntime
+from ortbridge._engines._optimize import optimize_reverse
+from ortbridge._graph_lookup import Names, _unique
+from ortbridge._onnx_utils import make_model
+
+ORT = "onnxruntime"
+needs_engine = pytest.mark.skipif(ORT not in ENGINES, reason="onnx-ad is not installed")
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """How many times a name is looked up in a :class:`Names`."""
+    count = [0]
+
+    def contains(self, name):
+        count[0] += 1
+        return set.__contains__(self, name)
+
+    monkeypatch.setattr(Names, "__contains__", contains)
+    return count
+
+
+def test_fresh_names_from_one_base_take_a_few_lookups_each(probes):
+    taken = Names(["t"])
+    names = [_unique("t", taken) for _ in range(3000)]
+    assert names[:3] == ["t_1", "t_2", "t_3"] and len(set(names)) == 3000
+    assert probes[0] <= 3 * 3000  # a scan from t_1 each time: 4.5 million
+
+
+def test_fresh_names_skip_names_taken_by_others(probes):
+    taken = Names(["t", "t_2", "t_3"])
+    assert [_unique("t", taken) for _ in range(3)] == ["t_1", "t_4", "t_5"]
+    taken.add("t_6")
+    assert _unique("t", taken) == "t_7"
+
+
+def _unit_axis_transposes(n: int):
+    """``n`` unnamed Transposes, each moving only size-1 axes (as onnx-ad writes them)."""
+    nodes, current = [], "x"
+    for k in range(n):
+        nodes.append(helper.make_node("Transpose", [current], [f"t{k}"], perm=[0, 2, 1]))
+        current = f"t{k}"
+    shape = [1, 4, 1] if n % 2 == 0 else [1, 1, 4]
+    graph = helper.make_graph(
+        nodes,
+        "transposes",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 1])],
+        [helper.make_tensor_value_info(current, TensorProto.FLOAT, shape)],
+    )
+    return make_model(graph, opset=17)
+
+
+def test_rewriting_thousands_of_transposes_looks_names_up_linearly(probes):
+    model = _unit_axis_transposes(2000)
+    optimize_reverse(model)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Transpose") == 0 and ops.count("Squeeze") == 2000
+    # Three fresh names a Transpose; the names shared one base before: 6 million.
+    assert probes[0] <= 10 * 2000
+
+
+def test_all_names_keeps_its_suffixes_through_in_place_union():
+    graph = _unit_axis_transposes(2).graph
+    taken = _graph_lookup._all_names(graph)
+    taken |= {"extra"}
+    assert isinstance(taken, Names) and {"x", "t0", "t1", "extra"} <= taken
+
+
+def _conv_model():
+    """A Conv with a dynamic batch: onnx-ad needs its shapes, graphs are built per shape."""
+    w = np.random.default_rng(0).normal(size=(2, 1, 3, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])],
+        "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1, 5, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2, 5, 5])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    return make_model(graph)
+
+
+@needs_engine
+def test_sessions_are_made_for_the_graphs_that_run_only(monkeypatch):
+    """Construction builds a gradient graph on stand-in shapes to check the model
+    can be differentiated; its sessions (most of a large model's build time) are
+    made only if it runs. The first forward's shape makes one pair."""
+    loaded = []
+    real = _onnxruntime._load
+    monkeypatch.setattr(
+        _onnxruntime, "_load", lambda m, part, *a: loaded.append(part) or real(m, part, *a)
+    )
+    layer = OnnxModule(_conv_model(), backend=ORT)
+    assert loaded == []
+    (graph,) = layer._bridge._gradient_graphs.values()
+    assert graph.sessions == [] and graph.pinnings == []
+    x = torch.randn(3, 1, 5, 5)
+    layer(x).sum().backward()
+    assert loaded == ["forward", "backward"]
+    assert len(graph.sessions) == 2
+    w = layer.onnx_weight("w").detach().clone().requires_grad_()
+    torch.nn.functional.conv2d(x, w, padding=1).sum().backward()
+    torch.testing.assert_close(layer.onnx_weight("w").grad, w.grad, rtol=1e-4, atol=1e-5)
