@@ -277,18 +277,34 @@ class _Built:
         self.fw_outputs = fw_outputs
         self.bw_inputs = [i.name for i in parts.backward.graph.input]
         self.bw_outputs = [o.name for o in parts.backward.graph.output]
-        loading = (device, session_options, providers)
-        self.fw_session, self.fw_pinning = _load(parts.forward, "forward", *loading)
-        if self.bw_outputs:
-            self.bw_session, self.bw_pinning = _load(parts.backward, "backward", *loading)
-        else:  # no gradient reaches anything: nothing to run backward
-            self.bw_session = self.bw_pinning = None
+        self._loading = (device, session_options, providers)
+        # Sessions are made on the first run: the graph built at construction
+        # only checks that the model can be differentiated, and a graph for
+        # other shapes (or the shape-generic one) may be what runs.
+        self.fw_session = self.fw_pinning = self.bw_session = self.bw_pinning = None
         self.split = parts
         dev = ort_device(device)
         self._fw_devices = [dev] * len(self.fw_outputs)
         self._bw_devices = [dev] * len(self.bw_outputs)
         self._run_options = _ort.runtime().RunOptions()
         self._capi = _ort.capi()
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the sessions exist (made on the first forward)."""
+        return self.fw_session is not None
+
+    @torch.compiler.disable
+    def load(self) -> None:
+        """Make the forward and backward sessions, if not yet made."""
+        if self.fw_session is not None:
+            return
+        parts = self.split
+        fw_session, self.fw_pinning = _load(parts.forward, "forward", *self._loading)
+        if self.bw_outputs:
+            self.bw_session, self.bw_pinning = _load(parts.backward, "backward", *self._loading)
+        # else no gradient reaches anything: nothing to run backward
+        self.fw_session = fw_session  # last: a failed load is tried again
 
     def _run(self, session, pinning, names, tensors, out_names, devices, where):
         outputs = self._capi.OrtValueVector()
@@ -321,6 +337,8 @@ class _Built:
         return tensors[pos].shape[axis]
 
     def forward(self, tensors):
+        if self.fw_session is None:
+            self.load()
         masks = self._draw_masks(tensors) if self.masks else []
         fed = list(tensors) if self.fed is None else [tensors[i] for i in self.fed]
         outs = self._run(
