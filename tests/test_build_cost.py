@@ -13,9 +13,10 @@ import torch
 from conftest import ENGINES
 from onnx import TensorProto, helper, numpy_helper
 
-from ortbridge import OnnxModule, _graph_lookup
+from ortbridge import OnnxModule, _graph_lookup, _ort, _runtime
 from ortbridge._engines import _onnxruntime
 from ortbridge._engines._optimize import optimize_reverse
+from ortbridge._examples import linear_model
 from ortbridge._graph_lookup import Names, _unique
 from ortbridge._onnx_utils import make_model
 
@@ -116,3 +117,32 @@ def test_sessions_are_made_for_the_graphs_that_run_only(monkeypatch):
     w = layer.onnx_weight("w").detach().clone().requires_grad_()
     torch.nn.functional.conv2d(x, w, padding=1).sum().backward()
     torch.testing.assert_close(layer.onnx_weight("w").grad, w.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_quantization_optimizers_are_off_for_graphs_without_quantized_nodes(monkeypatch):
+    """onnxruntime's QDQ transformers each walk every node of a gradient graph
+    (seconds on a large one) and have nothing to do there: off; a graph with a
+    quantized node, even in a subgraph, keeps them."""
+    ort = _ort.runtime()
+    asked = []
+
+    class Recording(ort.InferenceSession):
+        def __init__(self, *args, disabled_optimizers=None, **kwargs):
+            asked.append(set(disabled_optimizers or ()))
+            super().__init__(*args, disabled_optimizers=disabled_optimizers, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", Recording)
+    layer = OnnxModule(linear_model(3, 2))
+    layer(torch.randn(4, 3)).sum().backward()
+    with torch.no_grad():
+        layer.eval()(torch.randn(4, 3))
+    assert len(asked) >= 2
+    assert all(set(_runtime.QUANTIZATION_OPTIMIZERS) <= disabled for disabled in asked)
+
+    assert _runtime.idle_optimizers(_conv_model()) == list(_runtime.QUANTIZATION_OPTIMIZERS)
+    dq = helper.make_node("DequantizeLinear", ["q", "s"], ["y"])
+    body = helper.make_graph([dq], "body", [], [helper.make_tensor_value_info("y", 1, [2])])
+    branch = helper.make_node("If", ["c"], ["out"], then_branch=body, else_branch=body)
+    quantized = _conv_model()
+    quantized.graph.node.append(branch)
+    assert _runtime.idle_optimizers(quantized) == []
