@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import ENGINES
+from conftest import ENGINES, export
 from onnx import TensorProto, helper, numpy_helper
+from torch import nn
 
-from ortbridge import OnnxModule, _graph_lookup, _ort, _runtime
+from ortbridge import OnnxModule, _ad_rewrites_conv, _graph_lookup, _ort, _runtime
 from ortbridge._engines import _onnxruntime
 from ortbridge._engines._optimize import optimize_reverse
 from ortbridge._examples import linear_model
@@ -146,3 +147,48 @@ def test_quantization_optimizers_are_off_for_graphs_without_quantized_nodes(monk
     quantized = _conv_model()
     quantized.graph.node.append(branch)
     assert _runtime.idle_optimizers(quantized) == []
+
+
+# -- grouped convolutions -----------------------------------------------------
+
+GROUPED = [
+    (lambda: nn.Conv2d(12, 12, 3, padding=1, groups=12), (2, 12, 6, 7)),  # depthwise
+    (lambda: nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=4), (3, 4, 9, 8)),
+    (lambda: nn.Conv2d(6, 4, (1, 3), padding=(0, 2), dilation=(1, 2), groups=2), (2, 6, 5, 9)),
+    (lambda: nn.Conv2d(6, 6, 2, stride=(2, 1), groups=3, bias=False), (2, 6, 7, 6)),
+    (lambda: nn.Conv1d(4, 8, 3, padding=1, groups=4), (2, 4, 10)),
+]
+
+
+@needs_engine
+@pytest.mark.parametrize("case", range(len(GROUPED)))
+def test_grouped_conv_weight_gradient_is_one_grouped_conv(case, monkeypatch):
+    """onnx-ad refuses a grouped Conv's weight; ortbridge's rule gives it as one
+    grouped Conv (not one Conv per group): gradients as torch's, strides,
+    dilations, channel multipliers, several input channels a group, 1-D."""
+    monkeypatch.setattr(_ad_rewrites_conv, "SPLIT_GROUPS", 1)
+    factory, shape = GROUPED[case]
+    torch.manual_seed(case)
+    conv = factory()
+    x = torch.randn(*shape)
+    layer = OnnxModule(export(conv, (x,)), backend=ORT)
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (layer(ours) ** 2).sum().backward()
+    (conv(theirs) ** 2).sum().backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5)
+    for (name, mine), reference in zip(layer.named_parameters(), conv.parameters()):
+        torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-4, atol=1e-4, msg=name)
+    for graph in layer._bridge._gradient_graphs.values():  # input needing grad or not
+        forward = graph.static_built([x]).split.forward.graph
+        assert sum(n.op_type == "Conv" for n in forward.node) == 1
+
+
+@needs_engine
+def test_few_groups_are_still_split():
+    conv = nn.Conv2d(4, 8, 3, padding=1, groups=2)
+    assert 2 <= _ad_rewrites_conv.SPLIT_GROUPS
+    x = torch.randn(2, 4, 5, 5)
+    layer = OnnxModule(export(conv, (x,)), backend=ORT)
+    (graph,) = layer._bridge._gradient_graphs.values()
+    forward = graph.static_built([x]).split.forward.graph
+    assert sum(n.op_type == "Conv" for n in forward.node) == 2
