@@ -192,3 +192,25 @@ def test_few_groups_are_still_split():
     (graph,) = layer._bridge._gradient_graphs.values()
     forward = graph.static_built([x]).split.forward.graph
     assert sum(n.op_type == "Conv" for n in forward.node) == 2
+
+
+@needs_engine
+def test_first_layer_grouped_conv_with_dynamic_sizes_is_built_per_shape(monkeypatch):
+    """No input gradient asked, dynamic height and width: the weight rule asks for
+    declared sizes, and the engine builds the graphs per input shape."""
+    monkeypatch.setattr(_ad_rewrites_conv, "SPLIT_GROUPS", 1)
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1, groups=6), nn.Tanh())
+    dims = {0: torch.export.Dim("n", min=1), 2: torch.export.Dim("h", min=2)}
+    dims[3] = torch.export.Dim("w", min=2)
+    layer = OnnxModule(
+        export(conv, (torch.randn(2, 6, 6, 7),), dynamic_shapes=(dims,)), backend=ORT
+    )
+    for shape in [(2, 6, 6, 7), (1, 6, 4, 9)]:
+        x = torch.randn(*shape)
+        layer.zero_grad()
+        conv.zero_grad()
+        (layer(x) ** 2).sum().backward()
+        (conv(x) ** 2).sum().backward()
+        for (name, mine), reference in zip(layer.named_parameters(), conv.parameters()):
+            torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-4, atol=1e-4, msg=name)

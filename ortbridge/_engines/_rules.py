@@ -102,7 +102,13 @@ def _conv(ctx, node, grads, original):
         return original(ctx, node, grads)
     xs, ws, ys = ctx.shapes.shape(x), ctx.shapes.static(w), ctx.shapes.shape(y)
     if ws is None or not _known_but_batch(xs) or not _known_but_batch(ys):
-        return original(ctx, node, grads)  # onnx-ad's refusal says what is missing
+        from onnx_ad import UnsupportedOperator
+
+        # Says "declared": the engine then builds the graph per input shape.
+        raise UnsupportedOperator(
+            f"the weight gradient of grouped Conv {node.name!r} needs declared sizes of "
+            f"its input {x!r}, weight {w!r} and output {y!r} (all but the batch)"
+        )
     asked = ctx.asked_for
     ctx.asked_for = lambda name: name != w and asked(name)  # the weight is ours
     try:
