@@ -214,3 +214,23 @@ def test_first_layer_grouped_conv_with_dynamic_sizes_is_built_per_shape(monkeypa
         (conv(x) ** 2).sum().backward()
         for (name, mine), reference in zip(layer.named_parameters(), conv.parameters()):
             torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@needs_engine
+def test_conv_transpose_with_dynamic_sizes_is_built_per_shape():
+    """A trained ConvTranspose's rewrite for onnx-ad needs static spatial sizes:
+    with dynamic ones the engine builds per input shape instead of refusing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ConvTranspose2d(3, 2, 2, stride=2), nn.Tanh())
+    dims = {0: torch.export.Dim("n", min=1), 2: torch.export.Dim("h", min=2)}
+    dims[3] = torch.export.Dim("w", min=2)
+    onnx_model = export(model, (torch.randn(2, 3, 4, 5),), dynamic_shapes=(dims,))
+    layer = OnnxModule(onnx_model, backend=ORT)
+    for shape in [(2, 3, 4, 5), (1, 3, 3, 6)]:
+        x = torch.randn(*shape)
+        layer.zero_grad()
+        model.zero_grad()
+        (layer(x) ** 2).sum().backward()
+        (model(x) ** 2).sum().backward()
+        for (name, mine), reference in zip(layer.named_parameters(), model.parameters()):
+            torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-4, atol=1e-4, msg=name)
