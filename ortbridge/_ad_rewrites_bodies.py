@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ._ad_rewrites_conv import copy_node, ints
-from ._graph_lookup import _all_names, _unique
+from ._graph_lookup import Names, _all_names, _unique
 from ._onnx_utils import FLOAT_TYPES, NodeBuilder, attr, elem_type
 
 
@@ -44,7 +44,7 @@ def rewrite_bodies(model: onnx.ModelProto) -> onnx.ModelProto:
     if not any(_subgraphs(node) for node in model.graph.node):
         return model
     model = _inferred(model)
-    types, shapes, taken = {}, {}, set()
+    types, shapes, taken = {}, {}, Names()
     for graph in _graphs(model.graph):
         for value in list(graph.input) + list(graph.output) + list(graph.value_info):
             tensor = value.type.tensor_type

@@ -15,7 +15,9 @@ onnxruntime >= 1.20 sizes pools (no window starts in the end padding; onnx's
 shape inference and onnxruntime-training 1.19 let one).
 
 onnx-ad refuses the weight of a grouped Conv and of a ConvTranspose: those
-become one Conv per group (``Split``, ``Concat``) and a stride-1 Conv over a
+become one Conv per group (``Split``, ``Concat``; a Conv of more than
+:data:`SPLIT_GROUPS` groups stays one node, its weight gradient given by
+ortbridge's own reverse rule) and a stride-1 Conv over a
 zero-inserted input with the flipped weight (one MatMul where the
 ConvTranspose's windows tile its output). They need static channel (and,
 for ConvTranspose, spatial) sizes; the batch may be dynamic.
@@ -36,6 +38,16 @@ def ints(b: NodeBuilder, values) -> str:
     """A ``Constant`` int64 vector: onnx-ad reads axes, pads and shapes from constants."""
     array = np.asarray(list(values), dtype=np.int64)
     return b.op("Constant", value=numpy_helper.from_array(array))
+
+
+#: Grouped Convs with a trained weight and at most this many groups become one
+#: Conv per group; with more, ortbridge's reverse rule for the weight
+#: (:func:`ortbridge._engines._rules._conv`) keeps them one node. Training
+#: steps on 2 cores (onnxruntime 1.31, forward and backward): 4 groups
+#: 32->64 channels 47 ms split, 55 ms one node; depthwise 128 channels
+#: 16x16, batch 16: 159 ms split, 129 ms one node; depthwise 384 channels
+#: 6x40: 125 ms split, 79 ms one node, and 4.5 s against 0.03 s to build.
+SPLIT_GROUPS = 8
 
 
 def copy_node(node: onnx.NodeProto, inputs=None, drop=(), **attrs) -> onnx.NodeProto:
@@ -154,7 +166,14 @@ def conv(node, b: NodeBuilder, shape, is_constant):
             extra_after.append(q - sym[-1])
         source, explicit = pad_or_crop(b, x, spatial, extra_before, extra_after), sym + sym
     group = attr(node, "group", 1)
-    if group > 1 and not is_constant(w) and xs is not None and xs[1] and ws and ws[0]:
+    if (
+        1 < group <= SPLIT_GROUPS
+        and not is_constant(w)
+        and xs is not None
+        and xs[1]
+        and ws
+        and ws[0]
+    ):
         bias = node.input[2] if len(node.input) > 2 else ""
         attrs = dict(_kept(node, ["auto_pad", "group"]), pads=explicit)
         per_group(b, source, w, bias, (xs[1], ws[0], group), attrs)
@@ -170,7 +189,8 @@ def per_group(b: NodeBuilder, x, w, bias, sizes, attrs) -> None:
 
     Faster here than im2col and a batched MatMul, even depthwise: a
     16x128x16x16 input, 3x3 kernel, 128 groups took 37 ms forward and
-    backward split, 54 ms as im2col (onnxruntime 1.31, 2 CPU cores).
+    backward split, 54 ms as im2col (onnxruntime 1.31, 2 CPU cores); see
+    :data:`SPLIT_GROUPS` for where one grouped node is faster.
     """
     channels, cout, group = sizes
     parts = []

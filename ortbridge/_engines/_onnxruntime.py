@@ -225,6 +225,9 @@ class _Built:
             mask.shape is None or any(d is None for d in mask.shape) for mask in self.masks
         ):
             raise _NeedsStaticShapes
+        if static is None and _trained_conv_transposes(m):
+            # Left by prepare: its rewrite for onnx-ad needs static spatial sizes.
+            raise _NeedsStaticShapes
         user_outputs = [o.name for o in m.graph.output][:n_user]
         float_types = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
         out_types = {o.name: o.type.tensor_type.elem_type for o in m.graph.output}
@@ -281,18 +284,34 @@ class _Built:
         self.fw_outputs = fw_outputs
         self.bw_inputs = [i.name for i in parts.backward.graph.input]
         self.bw_outputs = [o.name for o in parts.backward.graph.output]
-        loading = (device, session_options, providers)
-        self.fw_session, self.fw_pinning = _load(parts.forward, "forward", *loading)
-        if self.bw_outputs:
-            self.bw_session, self.bw_pinning = _load(parts.backward, "backward", *loading)
-        else:  # no gradient reaches anything: nothing to run backward
-            self.bw_session = self.bw_pinning = None
+        self._loading = (device, session_options, providers)
+        # Sessions are made on the first run: the graph built at construction
+        # only checks that the model can be differentiated, and a graph for
+        # other shapes (or the shape-generic one) may be what runs.
+        self.fw_session = self.fw_pinning = self.bw_session = self.bw_pinning = None
         self.split = parts
         dev = ort_device(device)
         self._fw_devices = [dev] * len(self.fw_outputs)
         self._bw_devices = [dev] * len(self.bw_outputs)
         self._run_options = _ort.runtime().RunOptions()
         self._capi = _ort.capi()
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the sessions exist (made on the first forward)."""
+        return self.fw_session is not None
+
+    @torch.compiler.disable
+    def load(self) -> None:
+        """Make the forward and backward sessions, if not yet made."""
+        if self.fw_session is not None:
+            return
+        parts = self.split
+        fw_session, self.fw_pinning = _load(parts.forward, "forward", *self._loading)
+        if self.bw_outputs:
+            self.bw_session, self.bw_pinning = _load(parts.backward, "backward", *self._loading)
+        # else no gradient reaches anything: nothing to run backward
+        self.fw_session = fw_session  # last: a failed load is tried again
 
     def _run(self, session, pinning, names, tensors, out_names, devices, where):
         outputs = self._capi.OrtValueVector()
@@ -325,6 +344,8 @@ class _Built:
         return tensors[pos].shape[axis]
 
     def forward(self, tensors):
+        if self.fw_session is None:
+            self.load()
         masks = self._draw_masks(tensors) if self.masks else []
         fed = list(tensors) if self.fed is None else [tensors[i] for i in self.fed]
         outs = self._run(
@@ -385,6 +406,18 @@ def _load(model, part, device, session_options, providers):
         raise translate(
             exc.__cause__ or exc, f"load the {part} graph", model, refuse="onnxruntime"
         ) from exc
+
+
+def _trained_conv_transposes(model: onnx.ModelProto) -> bool:
+    """Whether a ConvTranspose of ``model`` reads a weight that is neither an
+    initializer nor a Constant (onnx-ad refuses its gradient)."""
+    graph = model.graph
+    fixed = {i.name for i in graph.initializer}
+    fixed |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    return any(
+        n.op_type == "ConvTranspose" and len(n.input) > 1 and n.input[1] not in fixed
+        for n in graph.node
+    )
 
 
 def _dim_sources(model: onnx.ModelProto, n_feeds: int) -> dict[str, tuple[int, int]]:

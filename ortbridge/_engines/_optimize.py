@@ -231,8 +231,9 @@ def _transpose_of_unit_axes(node, shapes, taken):
     if not squeeze_axes:
         return [helper.make_node("Identity", [node.input[0]], [node.output[0]], node.name)]
     nodes, current = [], node.input[0]
-    s_axes, u_axes = _unique(f"{node.name}_sq", taken), _unique(f"{node.name}_unsq", taken)
-    squeezed = _unique(f"{node.output[0]}_squeezed", taken)
+    out = node.output[0]  # onnx-ad's nodes have no names: the output's is unique
+    s_axes, u_axes = _unique(f"{out}_sq", taken), _unique(f"{out}_unsq", taken)
+    squeezed = _unique(f"{out}_squeezed", taken)
     nodes.append(_const(s_axes, squeeze_axes))
     nodes.append(helper.make_node("Squeeze", [current, s_axes], [squeezed]))
     nodes.append(_const(u_axes, unsqueeze_axes))
