@@ -89,13 +89,11 @@ CORPUS = [
         *_RAPIDOCR,
         "rapidocr/models/PP-OCRv6_det_small.onnx",
         {"x": ((1, 3, 64, 64), _F32)},
-        pending="ConvTranspose is not differentiated with respect to its weight yet",
     ),
     Published(
         *_RAPIDOCR,
         "rapidocr/models/PP-OCRv6_rec_small.onnx",
         {"x": ((1, 3, 48, 64), _F32)},
-        pending="builds in minutes: too slow for CI until the build-time work lands",
     ),
     Published(
         *_RAPIDOCR,

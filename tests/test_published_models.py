@@ -60,13 +60,17 @@ def test_published_model_fine_tunes(published):
     report = ortbridge.gradcheck(layer, *feeds, samples=3, **published.gradcheck)
     assert report, str(report)
 
-    # A few SGD steps lower a loss that pulls the outputs towards a nudged
-    # target. Each step's learning rate starts at a tenth of Polyak's (loss /
+    # A few SGD steps lower a loss that pulls the outputs towards nudged
+    # targets. Each step's learning rate starts at a tenth of Polyak's (loss /
     # |gradient|^2) and is cut tenfold until the loss falls as the gradient
     # predicts (Armijo): whatever the model's curvature, a right gradient
     # passes and a wrong one does not.
     layer.train()
-    targets = [o.detach() + 0.1 for o in _floats(layer(*feeds))]
+    # Nudges of both signs: a softmax's outputs cannot all rise together.
+    nudge = torch.Generator().manual_seed(0)
+    targets = [
+        o.detach() + 0.1 * torch.randn(o.shape, generator=nudge) for o in _floats(layer(*feeds))
+    ]
 
     def loss_now():
         outs = _floats(layer(*feeds))
