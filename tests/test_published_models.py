@@ -37,6 +37,69 @@ def _floats(outputs):
     return [o for o in outputs if o.is_floating_point()]
 
 
+def _directional_check(layer, feeds, groups=8, rtol=2e-3):
+    """Weight gradients against float64 finite differences along random directions.
+
+    For graphs onnxruntime cannot run in float64 (no float64 Erf or
+    HardSigmoid kernel): float32 differences of a deep network are noise at
+    any step (rounding below, its kinks above). onnx's reference evaluator
+    runs the graph in float64 instead, too slowly for element-wise
+    differences: the derivative along one random direction per group of
+    weights (in graph order, each weight moved in proportion to its size) is
+    compared with the gradient's projection, within ``rtol`` of the sum of
+    the projection's terms' sizes. The float32 gradient's own rounding stays
+    under 6e-4 of that on PP-OCRv6's detector. A weight whose share of its
+    group is small can be wrong unseen here: this checks the bulk, the
+    element-wise check is :func:`ortbridge.gradcheck`'s.
+    """
+    from onnx.reference import ReferenceEvaluator
+
+    from ortbridge import _graph
+    from ortbridge._coverage._float64 import _to_float64
+
+    bridge = layer._bridge
+    model, _ = bridge._variant(_graph.EVAL, for_gradient=False)
+    evaluator = ReferenceEvaluator(_to_float64(model))
+    gen = torch.Generator().manual_seed(1)
+    outs = _floats(layer(*feeds))
+    cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
+    weights = [w.detach().double() for w in layer._weights()]
+    trained = [i for i, w in enumerate(layer._weights()) if w.requires_grad]
+    grads = torch.autograd.grad(
+        sum((o.double() * c).sum() for o, c in zip(outs, cotangents)),
+        [layer._weights()[i] for i in trained],
+        allow_unused=True,
+    )
+    grads = {i: g.double() for i, g in zip(trained, grads) if g is not None}
+    inputs = [f.double().numpy() if f.is_floating_point() else f.numpy() for f in feeds]
+
+    def value(moved):
+        run = evaluator.run(None, dict(zip(bridge.feed_names, inputs + moved)))
+        run = [o for o in map(np.asarray, run) if o.dtype.kind == "f"]
+        return sum(float((o * c.numpy()).sum()) for o, c in zip(run, cotangents))
+
+    for group in np.array_split(np.array(sorted(grads)), groups):
+        v = {}
+        for i in map(int, group):
+            r = torch.randn(weights[i].shape, generator=gen, dtype=torch.float64)
+            v[i] = r * (weights[i].square().mean().sqrt() + 1e-3)
+        projected = sum(float((grads[i] * v[i]).sum()) for i in v)
+        size = sum(float((grads[i] * v[i]).abs().sum()) for i in v)
+        step = 1e-6
+        ends = [
+            value(
+                [(w + sign * step * v[i] if i in v else w).numpy() for i, w in enumerate(weights)]
+            )
+            for sign in (1, -1)
+        ]
+        difference = (ends[0] - ends[1]) / (2 * step)
+        names = [bridge.weight_names[i] for i in v]
+        assert abs(difference - projected) <= rtol * size, (
+            f"weights {names[0]} .. {names[-1]}: gradient along a direction {projected:.6g}, "
+            f"float64 finite differences {difference:.6g} (terms' size {size:.3g})"
+        )
+
+
 @pytest.mark.parametrize("published", [_params(m) for m in CORPUS])
 def test_published_model_fine_tunes(published):
     path = fetch(published)
@@ -56,9 +119,13 @@ def test_published_model_fine_tunes(published):
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g.numpy(), e, rtol=1e-4, atol=1e-5)
 
-    # Gradients against central finite differences of onnxruntime inference.
-    report = ortbridge.gradcheck(layer, *feeds, samples=3, **published.gradcheck)
-    assert report, str(report)
+    # Gradients against central finite differences of onnxruntime inference,
+    # in float64 where onnxruntime has the kernels.
+    report = ortbridge.gradcheck(layer, *feeds, samples=3)
+    if report.dtype == "float64":
+        assert report, str(report)
+    else:
+        _directional_check(layer, feeds)
 
     # A few SGD steps lower a loss that pulls the outputs towards nudged
     # targets. Each step's learning rate starts at a tenth of Polyak's (loss /
