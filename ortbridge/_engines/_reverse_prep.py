@@ -48,7 +48,15 @@ def declare_outputs(model: onnx.ModelProto) -> None:
                 out.type.CopyFrom(vi.type)
 
 
-STATIC_HINT = re.compile(r"declared|static", re.IGNORECASE)
+#: onnx-ad refusals that a graph built for static input shapes avoids: those
+#: asking for declared shapes, and ``auto_pad=SAME_*`` and the weights of a
+#: grouped Conv and of a ConvTranspose, which :mod:`.._ad_rewrites_conv`
+#: rewrites once channels and sizes are known.
+STATIC_HINT = re.compile(
+    r"declared|static|auto_pad=SAME"
+    r"|grouped Conv is not differentiated|ConvTranspose is not differentiated",
+    re.IGNORECASE,
+)
 
 
 def not_differentiable(exc: Exception, model: onnx.ModelProto) -> NotDifferentiableError:
@@ -151,10 +159,19 @@ def _downsampling_align_corners(node, model) -> bool:
 
 
 def prepare(model: onnx.ModelProto) -> None:
-    """ortbridge's rewrites of what onnx-ad gets wrong or refuses (:mod:`.._ad_rewrites`)."""
+    """ortbridge's rewrites of what onnx-ad gets wrong or refuses (:mod:`.._ad_rewrites`).
+
+    Shape arithmetic is folded first (onnx-ad folds it too, but after these
+    rewrites): a grouped Conv fed by ``Reshape(x, Concat(Shape(..)..))``, as
+    exporters write with dynamic axes, then has the static shape its rewrite
+    needs once the input shapes are set.
+    """
+    from onnx_ad.fold import fold_constants
+
     from .._ad_rewrites import prepare_for_reverse
 
-    prepared = prepare_for_reverse(model)
+    folded = fold_constants(model)
+    prepared = prepare_for_reverse(folded)
     if prepared is not model:
         model.CopyFrom(prepared)
 

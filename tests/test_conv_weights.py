@@ -1,0 +1,235 @@
+"""Convolution weights the onnxruntime engine trains with dynamic input shapes.
+
+onnx-ad refuses a ConvTranspose's weight and a grouped Conv's weight; the
+rewrites of :mod:`ortbridge._ad_rewrites_conv` lift both once channels and
+sizes are known, so the engine builds such graphs per input shape. Each
+layer is exported with dynamic batch and spatial axes (TorchScript exporter,
+as published models and SegFormer are) and its output, weight and input
+gradients compared with torch autograd, at two input shapes.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from conftest import ENGINES, compare_with_torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+import ortbridge
+from ortbridge import OnnxModule
+
+ORT = "onnxruntime"
+pytestmark = pytest.mark.skipif(ORT not in ENGINES, reason="onnx-ad is not installed")
+
+
+def _export(layer: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
+    """TorchScript export, every axis but the channels dynamic, names kept."""
+    axes = {0: "n", **{a: f"s{a}" for a in range(2, x.dim())}}
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            layer,
+            (x,),
+            f,
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_axes={"x": axes, "y": axes},
+            do_constant_folding=False,
+            dynamo=False,
+            opset_version=17,
+        )
+    return onnx.load_from_string(f.getvalue())
+
+
+def _perturbed(layer: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def _check_layer(layer, shapes, input_grad=True):
+    layer = _perturbed(layer)
+    model = _export(layer, torch.randn(*shapes[0]))
+    module = OnnxModule(model, backend=ORT)
+    for shape in shapes:
+        x = torch.randn(*shape, requires_grad=input_grad)
+        for p in layer.parameters():
+            p.grad = None
+        module.zero_grad()
+        compare_with_torch(layer, module, [x], rtol=1e-4, atol=1e-4)
+
+
+TRANSPOSED = {
+    "1d-stride-pad-outpad": (
+        lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1),
+        [(2, 3, 5), (1, 3, 8)],
+    ),
+    "1d-grouped-tiling": (
+        lambda: nn.ConvTranspose1d(4, 6, 2, stride=2, groups=2),
+        [(2, 4, 5), (3, 4, 3)],
+    ),
+    "2d-stride-pad-outpad": (
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1),
+        [(2, 4, 5, 6), (1, 4, 3, 7)],
+    ),
+    "2d-tiling": (lambda: nn.ConvTranspose2d(4, 6, 2, stride=2), [(2, 4, 3, 4), (1, 4, 5, 2)]),
+    "2d-tiling-no-bias": (
+        lambda: nn.ConvTranspose2d(3, 2, (2, 3), stride=(2, 3), bias=False),
+        [(2, 3, 3, 2)],
+    ),
+    "2d-dilated-uneven": (
+        lambda: nn.ConvTranspose2d(
+            4, 6, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2), output_padding=(1, 0)
+        ),
+        [(2, 4, 4, 5), (1, 4, 6, 3)],
+    ),
+    "2d-big-pad-outpad-dilation": (
+        lambda: nn.ConvTranspose2d(2, 3, 4, stride=3, padding=2, output_padding=2, dilation=2),
+        [(2, 2, 4, 3)],
+    ),
+    "2d-grouped": (
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, groups=2),
+        [(2, 4, 4, 5), (1, 4, 3, 3)],
+    ),
+    "2d-depthwise": (
+        lambda: nn.ConvTranspose2d(4, 4, 4, stride=2, padding=1, groups=4),
+        [(2, 4, 5, 5), (1, 4, 3, 6)],
+    ),
+    "3d-stride-pad-outpad": (
+        lambda: nn.ConvTranspose3d(2, 3, 3, stride=2, padding=1, output_padding=1),
+        [(2, 2, 3, 4, 3), (1, 2, 2, 3, 4)],
+    ),
+    "3d-grouped-tiling": (
+        lambda: nn.ConvTranspose3d(2, 4, 2, stride=2, groups=2),
+        [(1, 2, 2, 3, 2)],
+    ),
+}
+
+GROUPED = {
+    "2d-grouped": (
+        lambda: nn.Conv2d(4, 8, 3, groups=2, padding=1),
+        [(2, 4, 6, 5), (1, 4, 4, 7)],
+    ),
+    "2d-depthwise-strided": (
+        lambda: nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=4),
+        [(2, 4, 7, 6), (1, 4, 5, 5)],
+    ),
+    "2d-depthwise-multiplier-dilated": (
+        lambda: nn.Conv2d(3, 6, 3, groups=3, dilation=2, padding=2),
+        [(2, 3, 6, 7)],
+    ),
+    "2d-depthwise-same-even-kernel": (
+        lambda: nn.Conv2d(4, 4, 4, groups=4, padding="same"),
+        [(2, 4, 6, 5), (1, 4, 7, 7)],
+    ),
+    "2d-grouped-asymmetric-stride": (
+        lambda: nn.Conv2d(6, 9, (3, 2), stride=(2, 3), padding=(1, 2), groups=3),
+        [(2, 6, 7, 8)],
+    ),
+    "1d-depthwise": (
+        lambda: nn.Conv1d(4, 4, 5, padding=2, groups=4),
+        [(2, 4, 9), (1, 4, 6)],
+    ),
+    "3d-depthwise": (
+        lambda: nn.Conv3d(2, 4, 3, padding=1, groups=2, bias=False),
+        [(1, 2, 3, 4, 3)],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TRANSPOSED))
+def test_conv_transpose_gradients_equal_torch(case):
+    make, shapes = TRANSPOSED[case]
+    _check_layer(make(), shapes)
+
+
+@pytest.mark.parametrize("case", list(GROUPED))
+def test_grouped_conv_gradients_equal_torch(case):
+    make, shapes = GROUPED[case]
+    _check_layer(make(), shapes)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4),
+        lambda: nn.ConvTranspose2d(4, 2, 3, stride=2, padding=1),
+    ],
+    ids=["depthwise-conv", "conv-transpose"],
+)
+def test_first_layer_weight_gradient_without_an_input_gradient(make):
+    """A model's first layer: only the weight needs a gradient (onnx-ad asks for
+    no declared input shape then, and used to refuse the weight outright)."""
+    _check_layer(make(), [(2, 4, 5, 6), (1, 4, 3, 4)], input_grad=False)
+
+
+def _conv_transpose_graph(attrs, w_shape, rank):
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal(w_shape).astype(np.float32), "w")
+    bias = numpy_helper.from_array(rng.standard_normal(w_shape[1] * attrs.get("group", 1)), "b")
+    bias = numpy_helper.from_array(numpy_helper.to_array(bias).astype(np.float32), "b")
+    dims = ["n", w_shape[0], *[f"s{i}" for i in range(rank)]]
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], "convt", **attrs)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [weight, bias],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize(
+    "attrs, w_shape, x_shape",
+    [
+        ({"auto_pad": "SAME_UPPER", "strides": [2, 2]}, [3, 2, 3, 3], [1, 3, 3, 4]),
+        ({"auto_pad": "SAME_LOWER", "strides": [2, 3]}, [3, 2, 2, 4], [2, 3, 3, 2]),
+        ({"auto_pad": "SAME_UPPER", "strides": [2], "group": 3}, [3, 1, 3], [2, 3, 5]),
+        ({"output_shape": [8, 7], "strides": [2, 2]}, [2, 3, 3, 3], [1, 2, 3, 3]),
+    ],
+    ids=["same-upper", "same-lower", "same-upper-depthwise-1d", "output-shape"],
+)
+def test_conv_transpose_auto_pad_and_output_shape_gradients(attrs, w_shape, x_shape):
+    """Forms torch does not export, against central finite differences."""
+    model = _conv_transpose_graph(attrs, w_shape, len(x_shape) - 2)
+    module = OnnxModule(model, backend=ORT)
+    x = torch.randn(*x_shape, requires_grad=True)
+    module(x).square().sum().backward()
+    assert module.onnx_weight("w").grad is not None
+    report = ortbridge.gradcheck(module, torch.randn(*x_shape, requires_grad=True))
+    assert report, report
+
+
+class _MixFeedForward(nn.Module):
+    """SegFormer's Mix-FFN: tokens back to an image by a Reshape to sizes the graph
+    computes from shapes (Shape, Gather, Concat), a depthwise Conv, tokens again."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv2d(3, 4, 3, stride=2, padding=1)
+        self.fc = nn.Linear(4, 8)
+        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+
+    def forward(self, image):
+        x = self.embed(image)
+        n, _, h, w = x.shape
+        tokens = self.fc(x.flatten(2).transpose(1, 2))
+        x = self.depthwise(tokens.transpose(1, 2).reshape(n, 8, h, w))
+        return x.flatten(2).transpose(1, 2)
+
+
+def test_depthwise_conv_after_a_reshape_to_computed_sizes():
+    """onnx's shape inference leaves the Conv's input shape unknown even with static
+    input shapes: the shape arithmetic is folded before the Conv rewrites."""
+    _check_layer(_MixFeedForward(), [(2, 3, 8, 10), (1, 3, 6, 4)])
