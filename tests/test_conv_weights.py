@@ -1,11 +1,12 @@
-"""Convolution weights the onnxruntime engine trains with dynamic input shapes.
+"""Convolution weights and padding the onnxruntime engine trains with dynamic input shapes.
 
 onnx-ad refuses a ConvTranspose's weight and a grouped Conv's weight; the
 rewrites of :mod:`ortbridge._ad_rewrites_conv` lift both once channels and
 sizes are known, so the engine builds such graphs per input shape. Each
 layer is exported with dynamic batch and spatial axes (TorchScript exporter,
 as published models and SegFormer are) and its output, weight and input
-gradients compared with torch autograd, at two input shapes.
+gradients compared with torch autograd, at two input shapes. The same for a
+Pad whose widths the graph computes from shapes (Swin's window padding).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 import ortbridge
 from ortbridge import OnnxModule
+from ortbridge.exceptions import NotDifferentiableError
 
 ORT = "onnxruntime"
 pytestmark = pytest.mark.skipif(ORT not in ENGINES, reason="onnx-ad is not installed")
@@ -233,3 +235,45 @@ def test_depthwise_conv_after_a_reshape_to_computed_sizes():
     """onnx's shape inference leaves the Conv's input shape unknown even with static
     input shapes: the shape arithmetic is folded before the Conv rewrites."""
     _check_layer(_MixFeedForward(), [(2, 3, 8, 10), (1, 3, 6, 4)])
+
+
+class _WindowPad(nn.Module):
+    """Swin's padding to whole windows: widths from the input's sizes (Shape,
+    Mod, Sub, Concat, Pad in the TorchScript export)."""
+
+    def __init__(self, window=4):
+        super().__init__()
+        self.proj = nn.Conv2d(3, 4, 1)
+        self.window = window
+
+    def forward(self, x):
+        x = self.proj(x)
+        h, w = x.shape[2], x.shape[3]
+        right, bottom = (-w) % self.window, (-h) % self.window
+        return nn.functional.pad(x, (0, right, 0, bottom))
+
+
+def test_pad_with_widths_computed_from_shapes():
+    _check_layer(_WindowPad(), [(2, 3, 5, 7), (1, 3, 8, 6), (1, 3, 3, 4)])
+
+
+def test_pad_with_widths_computed_from_data_is_refused_by_name():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])
+    nodes = [
+        helper.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
+        helper.make_node("Cast", ["top"], ["width"], to=TensorProto.INT64),
+        helper.make_node("Reshape", ["width", "one"], ["w1"]),
+        helper.make_node("Concat", ["zeros", "w1", "zeros", "w1"], ["pads"], axis=0),
+        helper.make_node("Pad", ["x", "pads"], ["y"], "pad"),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+        numpy_helper.from_array(np.array([0], np.int64), "zeros"),
+    ]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph(nodes, "g", [x], [out], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with pytest.raises(NotDifferentiableError, match="'pad'.*constant 'pads'"):
+        module = OnnxModule(model, backend=ORT)
+        module(torch.randn(2, 3, requires_grad=True)).sum().backward()
