@@ -162,19 +162,10 @@ def _downsampling_align_corners(node, model) -> bool:
 
 
 def prepare(model: onnx.ModelProto) -> None:
-    """ortbridge's rewrites of what onnx-ad gets wrong or refuses (:mod:`.._ad_rewrites`).
-
-    Shape arithmetic is folded first (onnx-ad folds it too, but after these
-    rewrites): a grouped Conv fed by ``Reshape(x, Concat(Shape(..)..))``, as
-    exporters write with dynamic axes, then has the static shape its rewrite
-    needs once the input shapes are set.
-    """
-    from onnx_ad.fold import fold_constants
-
+    """ortbridge's rewrites of what onnx-ad gets wrong or refuses (:mod:`.._ad_rewrites`)."""
     from .._ad_rewrites import prepare_for_reverse
 
-    folded = fold_constants(model)
-    prepared = prepare_for_reverse(folded)
+    prepared = prepare_for_reverse(model)
     if prepared is not model:
         model.CopyFrom(prepared)
 
