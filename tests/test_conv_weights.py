@@ -277,3 +277,60 @@ def test_pad_with_widths_computed_from_data_is_refused_by_name():
     with pytest.raises(NotDifferentiableError, match="'pad'.*constant 'pads'"):
         module = OnnxModule(model, backend=ORT)
         module(torch.randn(2, 3, requires_grad=True)).sum().backward()
+
+
+def _detector_like() -> onnx.ModelProto:
+    """PP-OCRv6 det's forms at opset 11 with dynamic N/H/W: a strided SAME_UPPER Conv,
+    an Erf GELU, a depthwise SAME_UPPER Conv, a ConvTranspose whose windows tile its
+    output, a nearest Resize by scales."""
+    rng = np.random.default_rng(0)
+
+    def weight(name, *shape):
+        return numpy_helper.from_array((0.5 * rng.standard_normal(shape)).astype(np.float32), name)
+
+    same = {"auto_pad": "SAME_UPPER"}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], "down", strides=[2, 2], **same),
+        helper.make_node("Div", ["c1", "sqrt2"], ["s"]),
+        helper.make_node("Erf", ["s"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["e1"]),
+        helper.make_node("Mul", ["c1", "e1"], ["m"]),
+        helper.make_node("Mul", ["m", "half"], ["gelu"]),
+        helper.make_node("Conv", ["gelu", "w2"], ["c2"], "depthwise", group=4, **same),
+        helper.make_node("ConvTranspose", ["c2", "w3"], ["up"], "up", strides=[2, 2]),
+        helper.make_node("Resize", ["up", "roi", "scales"], ["y"], "resize", mode="nearest",
+                         coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+    ]  # fmt: skip
+    inits = [
+        weight("w1", 4, 3, 3, 3),
+        weight("b1", 4),
+        weight("w2", 4, 1, 4, 4),
+        weight("w3", 4, 2, 2, 2),
+        numpy_helper.from_array(np.array(2**0.5, np.float32), "sqrt2"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+        numpy_helper.from_array(np.zeros(0, np.float32), "roi"),
+        numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "det",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, None, None])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 6
+    return model
+
+
+def test_detector_forms_train_under_the_default_backend():
+    """Built with the defaults: where the training build is installed, ``backend="auto"``
+    routes the graph to the onnxruntime engine (no CPU kernel for ConvTranspose's and
+    Resize's gradients there), whose gradients agree with finite differences."""
+    module = OnnxModule(_detector_like())
+    assert module.backend == ORT
+    for shape in [(2, 3, 7, 6), (1, 3, 4, 5)]:
+        report = ortbridge.gradcheck(module, torch.randn(*shape))
+        assert report, report
+    assert all(module.onnx_weight(w).requires_grad for w in ("w1", "w2", "w3"))
