@@ -5,6 +5,9 @@ keeps the forward values (exactly, or to float rounding where noted) and
 works around one onnx-ad defect, each checked against finite differences in
 ``tests/test_ad_rewrites.py``, which also fails once onnx-ad fixes one:
 
+- Shape arithmetic (``Shape``, ``Gather``, ``Concat``, ...) on static
+  shapes: folded to constants, as onnx-ad folds it after these rewrites, so
+  that the rewrites below see the sizes and operands it computes.
 - ai.onnx opset below 16: upgraded. The adjoints of Gather, GatherND,
   GatherElements, SoftmaxCrossEntropyLoss and MaxPool scatter with
   ``reduction="add"`` (opset 16).

@@ -10,7 +10,9 @@ freeing after backward behave as in torch. Nothing here needs the training
 build: any onnxruntime runs these graphs.
 
 Graphs are built per input shape: always where onnx-ad needs declared
-shapes (Conv, Slice, the RNN lowering, ...) or a Dropout mask's shape cannot
+shapes (Conv, Slice, the RNN lowering, ...), refuses what ortbridge's rewrites
+lift once shapes are known (a ConvTranspose's or grouped Conv's weight,
+``auto_pad=SAME_*``, a Pad's widths computed from shapes) or a Dropout mask's shape cannot
 be read from the inputs'; otherwise for the first :data:`SPECIALISED_SHAPES`
 shapes seen (with static shapes onnx-ad knows which axes a broadcast sums
 over; the shape-generic graph computes them at run time, measured 1.2x
