@@ -238,12 +238,12 @@ def test_depthwise_conv_after_a_reshape_to_computed_sizes():
 
 
 class _WindowPad(nn.Module):
-    """Swin's padding to whole windows: widths from the input's sizes (Shape,
-    Mod, Sub, Concat, Pad in the TorchScript export)."""
+    """Swin's patch embedding and padding to whole windows: widths from the input's
+    sizes (Shape, Mod, Sub, Concat, Pad in the TorchScript export)."""
 
-    def __init__(self, window=4):
+    def __init__(self, patch=1, window=4):
         super().__init__()
-        self.proj = nn.Conv2d(3, 4, 1)
+        self.proj = nn.Conv2d(3, 4, patch, stride=patch)
         self.window = window
 
     def forward(self, x):
@@ -255,6 +255,12 @@ class _WindowPad(nn.Module):
 
 def test_pad_with_widths_computed_from_shapes():
     _check_layer(_WindowPad(), [(2, 3, 5, 7), (1, 3, 8, 6), (1, 3, 3, 4)])
+
+
+def test_patch_embedding_larger_than_the_first_stand_in_shape():
+    """The graphs built at construction for dynamic sizes of 2 cannot load (a 4x4
+    kernel with stride 4 leaves nothing): sizes of 32 are tried next."""
+    _check_layer(_WindowPad(patch=4, window=3), [(2, 3, 20, 28), (1, 3, 16, 8)])
 
 
 def test_pad_with_widths_computed_from_data_is_refused_by_name():

@@ -54,6 +54,9 @@ NAME = "onnxruntime"
 #: How many input shapes get graphs of their own before the shape-generic one runs.
 SPECIALISED_SHAPES = 8
 
+#: The dynamic dimensions of the second stand-in shape (see ``OrtGradientGraph._stand_in``).
+STAND_IN_LARGE = 32
+
 
 class OrtGradientGraph:
     """Forward and backward sessions for one mode, device and set of gradients.
@@ -101,15 +104,26 @@ class OrtGradientGraph:
         except _NeedsStaticShapes:
             self._built = None
             # Checks now that the graph can be differentiated at all, on a
-            # stand-in shape (dynamic dimensions as 2); real shapes are built on use.
-            shapes = _stand_in_shapes(model, self.n_inputs)
-            first = _Built(*self._args, self._batch_norms, static=shapes)
+            # stand-in shape; real shapes are built on use.
+            shapes, first = self._stand_in(model)
             self._by_shape[shapes] = first
         self.n_user_outputs = first.n_user_outputs
         self.non_differentiable = first.non_differentiable
         self.full_shape = set(range(self.n_user_outputs))
         self.save_outputs = first.save_outputs
         self.grad_slots = first.grad_slots
+
+    def _stand_in(self, model):
+        """Graphs built for dynamic dimensions of 2, or of :data:`STAND_IN_LARGE`
+        where 2 fails (a patch-embedding Conv's kernel and stride of 4 leave
+        nothing of 2 pixels); the error of the larger size if both fail."""
+        for size in (2, STAND_IN_LARGE):
+            shapes = _stand_in_shapes(model, self.n_inputs, size)
+            try:
+                return shapes, _Built(*self._args, self._batch_norms, static=shapes)
+            except OrtBridgeError:
+                if size == STAND_IN_LARGE:
+                    raise
 
     @property
     def sessions(self) -> list:
@@ -182,11 +196,11 @@ class _NeedsStaticShapes(Exception):
     pass
 
 
-def _stand_in_shapes(model, n_inputs):
+def _stand_in_shapes(model, n_inputs, size):
     shapes = []
     for vi in list(model.graph.input)[:n_inputs]:
         dims = vi.type.tensor_type.shape.dim
-        shapes.append(tuple(d.dim_value if d.HasField("dim_value") else 2 for d in dims))
+        shapes.append(tuple(d.dim_value if d.HasField("dim_value") else size for d in dims))
     return tuple(shapes)
 
 
