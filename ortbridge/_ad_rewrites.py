@@ -5,6 +5,9 @@ keeps the forward values (exactly, or to float rounding where noted) and
 works around one onnx-ad defect, each checked against finite differences in
 ``tests/test_ad_rewrites.py``, which also fails once onnx-ad fixes one:
 
+- Shape arithmetic (``Shape``, ``Gather``, ``Concat``, ...) on static
+  shapes: folded to constants, as onnx-ad folds it after these rewrites, so
+  that the rewrites below see the sizes and operands it computes.
 - ai.onnx opset below 16: upgraded. The adjoints of Gather, GatherND,
   GatherElements, SoftmaxCrossEntropyLoss and MaxPool scatter with
   ``reduction="add"`` (opset 16).
@@ -138,7 +141,7 @@ def prepare_for_reverse(model: onnx.ModelProto) -> onnx.ModelProto:
         model = upgrade_opset(copy)
     except OnnxModelError:  # onnx-ad then refuses, by name, the nodes that need opset 16
         model = copy
-    model = rewrite_bodies(sequences_as_tensors(model))
+    model = _shapes_folded(rewrite_bodies(sequences_as_tensors(model)))
     graph = model.graph
     g = _Graph(model)
     taken = _all_names(graph)
@@ -156,6 +159,17 @@ def prepare_for_reverse(model: onnx.ModelProto) -> onnx.ModelProto:
     del graph.node[:]
     graph.node.extend(rewritten)
     return _reinferred(model, changed)
+
+
+def _shapes_folded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its shape arithmetic folded to constants, as onnx-ad folds it
+    (but only after these rewrites): a grouped Conv fed by ``Reshape(x,
+    Concat(Shape(..)..))``, as exporters write with dynamic axes, then has the
+    static shape its rewrite needs once the input shapes are set. After the
+    sequence rewrites, which read the loops and sequences as exported."""
+    from onnx_ad.fold import fold_constants
+
+    return fold_constants(model)
 
 
 def known_wrong(node: onnx.NodeProto) -> str | None:

@@ -20,7 +20,9 @@ become one Conv per group (``Split``, ``Concat``; a Conv of more than
 ortbridge's own reverse rule) and a stride-1 Conv over a
 zero-inserted input with the flipped weight (one MatMul where the
 ConvTranspose's windows tile its output). They need static channel (and,
-for ConvTranspose, spatial) sizes; the batch may be dynamic.
+for ConvTranspose, spatial) sizes; the batch may be dynamic. The onnxruntime
+engine builds its graphs per input shape where onnx-ad refuses them unrewritten
+(:data:`ortbridge._engines._reverse_prep.STATIC_HINT`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ freeing after backward behave as in torch. Nothing here needs the training
 build: any onnxruntime runs these graphs.
 
 Graphs are built per input shape: always where onnx-ad needs declared
-shapes (Conv, Slice, the RNN lowering, ...) or a Dropout mask's shape cannot
+shapes (Conv, Slice, the RNN lowering, ...), refuses what ortbridge's rewrites
+lift once shapes are known (a ConvTranspose's or grouped Conv's weight,
+``auto_pad=SAME_*``, a Pad's widths computed from shapes) or a Dropout mask's shape cannot
 be read from the inputs'; otherwise for the first :data:`SPECIALISED_SHAPES`
 shapes seen (with static shapes onnx-ad knows which axes a broadcast sums
 over; the shape-generic graph computes them at run time, measured 1.2x
@@ -51,6 +53,9 @@ NAME = "onnxruntime"
 
 #: How many input shapes get graphs of their own before the shape-generic one runs.
 SPECIALISED_SHAPES = 8
+
+#: The dynamic dimensions of the second stand-in shape (see ``OrtGradientGraph._stand_in``).
+STAND_IN_LARGE = 32
 
 
 class OrtGradientGraph:
@@ -99,15 +104,33 @@ class OrtGradientGraph:
         except _NeedsStaticShapes:
             self._built = None
             # Checks now that the graph can be differentiated at all, on a
-            # stand-in shape (dynamic dimensions as 2); real shapes are built on use.
-            shapes = _stand_in_shapes(model, self.n_inputs, tensors)
-            first = _Built(*self._args, self._batch_norms, static=shapes)
+            # call's shapes or a stand-in; real shapes are built on use.
+            shapes, first = self._stand_in(model, tensors)
             self._by_shape[shapes] = first
         self.n_user_outputs = first.n_user_outputs
         self.non_differentiable = first.non_differentiable
         self.full_shape = set(range(self.n_user_outputs))
         self.save_outputs = first.save_outputs
         self.grad_slots = first.grad_slots
+
+    def _stand_in(self, model, tensors=None):
+        """Graphs built for a call's own input shapes where they are known, else
+        for dynamic dimensions of 2, or of :data:`STAND_IN_LARGE` where 2 fails
+        (a patch-embedding Conv's kernel and stride of 4 leave nothing of 2
+        pixels); the error of the larger size if both fail."""
+        n = self.n_inputs
+        if tensors is not None and all(t is not None for t in tensors[:n]):
+            # A stand-in may be too small for the graph (a convolution longer
+            # than 2 samples).
+            shapes = tuple(tuple(t.shape) for t in tensors[:n])
+            return shapes, _Built(*self._args, self._batch_norms, static=shapes)
+        for size in (2, STAND_IN_LARGE):
+            shapes = _stand_in_shapes(model, n, size)
+            try:
+                return shapes, _Built(*self._args, self._batch_norms, static=shapes)
+            except OrtBridgeError:
+                if size == STAND_IN_LARGE:
+                    raise
 
     @property
     def sessions(self) -> list:
@@ -180,15 +203,11 @@ class _NeedsStaticShapes(Exception):
     pass
 
 
-def _stand_in_shapes(model, n_inputs, tensors=None):
-    if tensors is not None and all(t is not None for t in tensors[:n_inputs]):
-        # A call's own shapes: a stand-in may be too small for the graph
-        # (a convolution longer than 2 samples).
-        return tuple(tuple(t.shape) for t in tensors[:n_inputs])
+def _stand_in_shapes(model, n_inputs, size):
     shapes = []
     for vi in list(model.graph.input)[:n_inputs]:
         dims = vi.type.tensor_type.shape.dim
-        shapes.append(tuple(d.dim_value if d.HasField("dim_value") else 2 for d in dims))
+        shapes.append(tuple(d.dim_value if d.HasField("dim_value") else size for d in dims))
     return tuple(shapes)
 
 

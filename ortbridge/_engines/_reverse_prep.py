@@ -48,7 +48,18 @@ def declare_outputs(model: onnx.ModelProto) -> None:
                 out.type.CopyFrom(vi.type)
 
 
-STATIC_HINT = re.compile(r"declared|static", re.IGNORECASE)
+#: onnx-ad refusals that a graph built for static input shapes avoids: those
+#: asking for declared shapes; ``auto_pad=SAME_*`` and the weights of a grouped
+#: Conv and of a ConvTranspose, which :mod:`.._ad_rewrites_conv` rewrites once
+#: channels and sizes are known; and operands wanted constant (a Pad's widths,
+#: a Slice's bounds), which shape arithmetic computes (Swin's window padding)
+#: and which fold to constants once the shapes are static. Operands computed
+#: from data are refused again, by name, by the graph built for a stand-in shape.
+STATIC_HINT = re.compile(
+    r"declared|static|auto_pad=SAME|only with a constant"
+    r"|grouped Conv is not differentiated|ConvTranspose is not differentiated",
+    re.IGNORECASE,
+)
 
 
 def not_differentiable(exc: Exception, model: onnx.ModelProto) -> NotDifferentiableError:
