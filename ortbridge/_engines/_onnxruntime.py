@@ -244,9 +244,6 @@ class _Built:
             mask.shape is None or any(d is None for d in mask.shape) for mask in self.masks
         ):
             raise _NeedsStaticShapes
-        if static is None and _trained_conv_transposes(m):
-            # Left by prepare: its rewrite for onnx-ad needs static spatial sizes.
-            raise _NeedsStaticShapes
         user_outputs = [o.name for o in m.graph.output][:n_user]
         float_types = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
         out_types = {o.name: o.type.tensor_type.elem_type for o in m.graph.output}
@@ -425,18 +422,6 @@ def _load(model, part, device, session_options, providers):
         raise translate(
             exc.__cause__ or exc, f"load the {part} graph", model, refuse="onnxruntime"
         ) from exc
-
-
-def _trained_conv_transposes(model: onnx.ModelProto) -> bool:
-    """Whether a ConvTranspose of ``model`` reads a weight that is neither an
-    initializer nor a Constant (onnx-ad refuses its gradient)."""
-    graph = model.graph
-    fixed = {i.name for i in graph.initializer}
-    fixed |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
-    return any(
-        n.op_type == "ConvTranspose" and len(n.input) > 1 and n.input[1] not in fixed
-        for n in graph.node
-    )
 
 
 def _dim_sources(model: onnx.ModelProto, n_feeds: int) -> dict[str, tuple[int, int]]:
