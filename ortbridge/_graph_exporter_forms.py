@@ -20,7 +20,7 @@ from __future__ import annotations
 import onnx
 
 from ._onnx_utils import node_reads
-from .exceptions import OnnxModelError
+from .exceptions import NotDifferentiableError
 
 #: dim_params that mean "unknown", not a name shared by the axes that carry it.
 UNKNOWN_DIM_NAMES = frozenset({"", "?"})
@@ -65,10 +65,12 @@ def _batch_norm_single_output(graph: onnx.GraphProto) -> None:
         extra = [name for name in node.output[1:] if name]
         used = [name for name in extra if name in read]
         if used:
-            raise OnnxModelError(
+            raise NotDifferentiableError(
                 f"node {node.name!r} (BatchNormalization): its statistics output(s) {used} are "
                 "read by the graph; ortbridge computes a BatchNormalization's statistics from "
-                "the module's mode and can only give its first output to other nodes"
+                "the module's mode and can only give its first output to other nodes",
+                node=node.name,
+                op_type=node.op_type,
             )
         if len(node.output) > 1:
             del node.output[1:]

@@ -17,6 +17,9 @@ be read from the inputs'; otherwise for the first :data:`SPECIALISED_SHAPES`
 shapes seen (with static shapes onnx-ad knows which axes a broadcast sums
 over; the shape-generic graph computes them at run time, measured 1.2x
 slower on a transformer layer), the shape-generic graph beyond.
+
+The module stays one: the graph pair, its per-shape cache and the stand-in
+shapes of the construction check are one mechanism, read together.
 """
 
 from __future__ import annotations
