@@ -56,6 +56,7 @@ class Published:
 
 _SILERO = ("silero-vad", "6.2.3")
 _RAPIDOCR = ("rapidocr", "3.10.0")
+_WAKEWORD = ("openwakeword", "0.4.0")  # torch 1.12's exporter
 _F32 = np.float32
 
 
@@ -83,6 +84,11 @@ CORPUS = [
     _vad("silero_vad_half.onnx", sr=False),
     _vad("silero_vad_op18_ifless.onnx"),
     _vad("silero_vad_op18_ifless.onnx", rate=8000),
+    Published(
+        *_WAKEWORD,
+        "openwakeword/resources/models/alexa_v0.1.onnx",
+        {"onnx::Flatten_0": ((1, 16, 96), _F32)},
+    ),
     Published(
         *_RAPIDOCR,
         "rapidocr/models/PP-OCRv6_det_small.onnx",
