@@ -28,7 +28,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ._graph_lookup import _all_names, _infer, _unique
-from ._onnx_utils import FLOAT_TYPES, attr, elem_type, node_reads, set_input_shapes
+from ._onnx_utils import (
+    FLOAT_TYPES,
+    ancestors,
+    attr,
+    elem_type,
+    node_reads,
+    set_input_shapes,
+)
 
 #: A deciding input holds at most this many values (a sample rate, a flag):
 #: each new value means a new resolution (about 10 ms), so larger ones
@@ -85,16 +92,8 @@ def deciding_inputs(model: onnx.ModelProto, n_inputs: int) -> list[int]:
                     walk(sub)
 
     walk(model.graph)
-    seen, stack = set(), list(conditions)
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        node = producer.get(name)
-        # A Shape or Size reads no values (shapes are in a call's key anyway).
-        if node is not None and node.op_type not in ("Shape", "Size"):
-            stack.extend(node_reads(node))
+    # A Shape or Size reads no values (shapes are in a call's key anyway).
+    seen, _ = ancestors(producer, conditions, opaque=("Shape", "Size"))
     found = []
     for pos, vi in enumerate(list(model.graph.input)[:n_inputs]):
         tensor = vi.type.tensor_type

@@ -126,6 +126,26 @@ def node_reads(node: onnx.NodeProto) -> list[str]:
     return names
 
 
+def ancestors(producer: dict, names, opaque=()) -> tuple[set[str], list[onnx.NodeProto]]:
+    """The tensors ``names`` depend on (themselves included) and the nodes computing them.
+
+    ``producer`` maps a tensor to its node. The walk reaches a node of an op
+    type in ``opaque`` but not what it reads (a ``Shape`` reads no values).
+    """
+    seen, nodes, stack = set(), [], list(names)
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = producer.get(name)
+        if node is not None:
+            nodes.append(node)
+            if node.op_type not in opaque:
+                stack.extend(node_reads(node))
+    return seen, nodes
+
+
 def drop_unread_initializers(graph: onnx.GraphProto) -> None:
     """Remove the initializers no node and no graph output reads (onnxruntime
     warns about each on stderr when it loads the graph)."""

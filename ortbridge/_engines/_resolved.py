@@ -18,7 +18,7 @@ import torch
 
 from .. import _control_flow, _ort
 from .._graph_lookup import _infer
-from .._onnx_utils import FLOAT_TYPES, node_reads
+from .._onnx_utils import FLOAT_TYPES, ancestors
 from ._onnxruntime import OrtGradientGraph
 
 #: Keys (input shapes, deciding values) remembered before the memo is cleared.
@@ -143,16 +143,8 @@ class _Evaluator:
     def __call__(self, model: onnx.ModelProto, name: str) -> np.ndarray | None:
         graph = model.graph
         producer = {out: node for node in graph.node for out in node.output}
-        needed, stack, seen = set(), [name], set()
-        while stack:
-            read = stack.pop()
-            if read in seen:
-                continue
-            seen.add(read)
-            node = producer.get(read)
-            if node is not None:
-                needed.add(id(node))
-                stack.extend(node_reads(node))
+        seen, nodes = ancestors(producer, [name])
+        needed = {id(n) for n in nodes}
         inputs = [i for i in graph.input if i.name in seen]
         sub = onnx.helper.make_graph(
             [n for n in graph.node if id(n) in needed],
