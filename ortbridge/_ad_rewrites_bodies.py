@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ._ad_rewrites_conv import copy_node, ints
 from ._graph_lookup import Names, _all_names, _unique
-from ._onnx_utils import FLOAT_TYPES, NodeBuilder, attr, elem_type
+from ._onnx_utils import FLOAT_TYPES, NodeBuilder, all_graphs, attr, elem_type, subgraphs
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -41,11 +41,11 @@ def rewrite_bodies(model: onnx.ModelProto) -> onnx.ModelProto:
     - In subgraph bodies, ``CastLike`` and Slices with computed bounds (the
       main graph's are :func:`._ad_rewrites._rewrite`'s).
     """
-    if not any(_subgraphs(node) for node in model.graph.node):
+    if not any(subgraphs(node) for node in model.graph.node):
         return model
     model = _inferred(model)
     types, shapes, taken = {}, {}, Names()
-    for graph in _graphs(model.graph):
+    for graph in all_graphs(model.graph):
         for value in list(graph.input) + list(graph.output) + list(graph.value_info):
             tensor = value.type.tensor_type
             if value.type.HasField("tensor_type") and tensor.elem_type:
@@ -125,7 +125,7 @@ class _Bodies:
             if condition is not None and condition.size == 1:
                 return self.inline(node, bool(condition.reshape(-1)[0]), scope, main)
             node.name = ""  # onnx-ad's adjoint If copies the name: two nodes would have it
-        for sub in _subgraphs(node):
+        for sub in subgraphs(node):
             self.graph(sub, _Scope(sub, scope), main=False)
         if main or node.domain not in ("", "ai.onnx"):
             return [node]
@@ -246,21 +246,3 @@ def _computed_slice(node, b, types, shapes, constant):
         indices = b.op("Range", bound(starts), bound(ends), one)
         x = b.op("Gather", x, indices, axis=axis)
     return b.replacing(node)
-
-
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    found = []
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            found.append(a.g)
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            found.extend(a.graphs)
-    return found
-
-
-def _graphs(graph: onnx.GraphProto):
-    """``graph`` and every subgraph in it, outer ones first."""
-    yield graph
-    for node in graph.node:
-        for sub in _subgraphs(node):
-            yield from _graphs(sub)

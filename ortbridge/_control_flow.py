@@ -35,6 +35,7 @@ from ._onnx_utils import (
     elem_type,
     node_reads,
     set_input_shapes,
+    subgraphs,
 )
 
 #: A deciding input holds at most this many values (a sample rate, a flag):
@@ -497,19 +498,11 @@ def _constant_node(name, array):
     return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array, name))
 
 
-def _subgraphs(node):
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            yield a.g
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            yield from a.graphs
-
-
 def _all_names_deep(graph, skip=None) -> set[str]:
     names = _all_names(graph)
     for node in graph.node:
         if node is not skip:
-            for sub in _subgraphs(node):
+            for sub in subgraphs(node):
                 names |= _all_names_deep(sub)
     return names
 
@@ -519,7 +512,7 @@ def _defined_deep(graph) -> set[str]:
     names = {i.name for i in graph.initializer} | {i.name for i in graph.input}
     for node in graph.node:
         names.update(o for o in node.output if o)
-        for sub in _subgraphs(node):
+        for sub in subgraphs(node):
             names |= _defined_deep(sub)
     return names
 
@@ -535,5 +528,5 @@ def _rename(graph, renamed) -> None:
             for k, name in enumerate(seq):
                 if name in renamed:
                     seq[k] = renamed[name]
-        for sub in _subgraphs(node):
+        for sub in subgraphs(node):
             _rename(sub, renamed)

@@ -18,7 +18,7 @@ from onnx import TensorProto, numpy_helper
 from . import _graph_weights
 from ._graph_lookup import _elem_types
 from ._model_checks import check_loaded
-from ._onnx_utils import FLOAT_TYPES, node_reads, np_dtype
+from ._onnx_utils import FLOAT_TYPES, all_graphs, node_reads, np_dtype
 from .exceptions import OnnxModelError, OnnxTypeError
 
 
@@ -115,7 +115,7 @@ def summarize(model: onnx.ModelProto, original: onnx.ModelProto | None = None) -
     kinds = _graph_weights.roles(source)
     constants = {
         node.output[0]
-        for g in _graph_weights.graphs(source.graph)
+        for g in all_graphs(source.graph)
         for node in g.node
         if node.op_type == "Constant" and node.output
     }

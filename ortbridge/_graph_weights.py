@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ._onnx_utils import FLOAT_TYPES
+from ._onnx_utils import FLOAT_TYPES, all_graphs
 
 # Inputs (by position) through which no gradient flows, per op type.
 NON_DIFFERENTIABLE_SLOTS = {
@@ -132,18 +132,6 @@ _PRODUCTS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"})
 _PASS_THROUGH = frozenset({"Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast"})
 
 
-def graphs(graph: onnx.GraphProto):
-    """``graph`` and every subgraph nested in its nodes' attributes."""
-    yield graph
-    for node in graph.node:
-        for a in node.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                yield from graphs(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for g in a.graphs:
-                    yield from graphs(g)
-
-
 def constant_value(node: onnx.NodeProto) -> np.ndarray | None:
     """The float value a ``Constant`` node holds, or None (not float, or not a tensor)."""
     if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1:
@@ -165,7 +153,7 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
     held: set[str] = set()  # outputs of Constant nodes
     producers: dict[str, onnx.NodeProto] = {}
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = collections.defaultdict(list)
-    for graph in graphs(model.graph):
+    for graph in all_graphs(model.graph):
         for init in graph.initializer:
             if init.data_type in FLOAT_TYPES:
                 sizes[init.name] = int(np.prod(init.dims, dtype=np.int64))
@@ -244,7 +232,7 @@ def lift_constant_weights(model: onnx.ModelProto) -> list[str]:
     kinds = roles(model)
     taken = {init.name for init in model.graph.initializer}
     lifted = []
-    for graph in graphs(model.graph):
+    for graph in all_graphs(model.graph):
         kept = []
         for node in graph.node:
             value = constant_value(node)
@@ -269,7 +257,7 @@ def write_constants(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> s
     ``value_float(s)``; otherwise it holds a tensor of the node's type.
     """
     written = set()
-    for graph in graphs(model.graph):
+    for graph in all_graphs(model.graph):
         for node in graph.node:
             if node.op_type != "Constant" or not node.output or node.output[0] not in weights:
                 continue

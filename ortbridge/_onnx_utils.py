@@ -99,6 +99,25 @@ class NodeBuilder:
         return self.nodes
 
 
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The bodies ``node`` holds in its attributes (an If's branches, a Loop's body)."""
+    found = []
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            found.append(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            found.extend(a.graphs)
+    return found
+
+
+def all_graphs(graph: onnx.GraphProto):
+    """``graph`` and every subgraph in it, outer ones first."""
+    yield graph
+    for node in graph.node:
+        for sub in subgraphs(node):
+            yield from all_graphs(sub)
+
+
 def subgraph_reads(graph: onnx.GraphProto) -> set[str]:
     """Names a subgraph body reads from its enclosing scopes."""
     defined = {i.name for i in graph.input} | {i.name for i in graph.initializer}

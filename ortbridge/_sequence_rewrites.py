@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ._onnx_utils import attr, node_reads, subgraph_reads
+from ._onnx_utils import attr, node_reads, subgraph_reads, subgraphs
 
 _LIST_READERS = frozenset({"SequenceAt", "ConcatFromSequence", "SequenceLength"})
 _INTEGERS = frozenset(
@@ -86,16 +86,8 @@ def sequences_as_tensors(model: onnx.ModelProto, loops: bool = True) -> onnx.Mod
 def _all_nodes(graph: onnx.GraphProto):
     for node in graph.node:
         yield node
-        for sub in _subgraphs(node):
+        for sub in subgraphs(node):
             yield from _all_nodes(sub)
-
-
-def _subgraphs(node: onnx.NodeProto):
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            yield a.g
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            yield from a.graphs
 
 
 def _size(proto: onnx.TensorProto) -> int:
@@ -112,7 +104,7 @@ class _Rewriter:
             self.taken.update(node.output)
             self.taken.add(node.name)
         for node in _all_nodes(self.graph):
-            for sub in _subgraphs(node):
+            for sub in subgraphs(node):
                 self.taken.update(v.name for v in sub.input)
         # Constant values, read on demand (the initializers may be large weights).
         self._protos = {t.name: t for t in self.graph.initializer}
@@ -157,7 +149,7 @@ class _Rewriter:
             probe = onnx.ModelProto()
             probe.CopyFrom(self.model)
             for node in _all_nodes(probe.graph):
-                for sub in _subgraphs(node):
+                for sub in subgraphs(node):
                     for name in sorted(subgraph_reads(sub)):
                         value = self.value(name, small=True)
                         if value is not None:
@@ -172,7 +164,7 @@ class _Rewriter:
                 for v in list(graph.input) + list(graph.output) + list(graph.value_info):
                     found.setdefault(v.name, v.type)
                 for node in graph.node:
-                    for sub in _subgraphs(node):
+                    for sub in subgraphs(node):
                         collect(sub)
 
             collect(inferred.graph)
