@@ -27,6 +27,8 @@ works around one onnx-ad defect, each checked against finite differences in
   per padded axis (:mod:`._ad_rewrites_pad`; Silero VAD's STFT pads by
   reflection), and ``Pad`` whose widths the graph computes from constants
   and static shapes: onnx-ad reads widths from a constant only.
+- ``Slice`` with steps other than 1 (onnx-ad refuses them; Swin's patch
+  merging): a ``Gather`` per strided axis (:mod:`._ad_rewrites_slice`).
 - ``SpaceToDepth`` mode CRD (opset 28), differentiated as DCR: a
   ``Reshape``, ``Transpose``, ``Reshape`` (static channels and sizes).
 - ``Resize`` (tf_crop_and_resize) with an ``extrapolation_value``: onnx-ad
@@ -59,6 +61,7 @@ from . import _ad_rewrites_conv as conv
 from ._ad_rewrites_bodies import _inferred, _opset, rewrite_bodies
 from ._ad_rewrites_conv import copy_node, ints
 from ._ad_rewrites_pad import copying_pad
+from ._ad_rewrites_slice import strided_slice
 from ._graph_lookup import _all_names, _infer, _unique
 from ._onnx_utils import FLOAT_TYPES, NodeBuilder, attr, np_dtype
 from ._sequence_rewrites import sequences_as_tensors
@@ -267,6 +270,8 @@ def _rewrite(node, b, g):
         ]
     if kind == "Pad" and len(node.input) > 1 and node.input[1] in g.values:
         return _negative_pad(node, b, g)
+    if kind == "Slice" and len(node.input) > 4 and types.get(node.input[0]) in FLOAT_TYPES:
+        return strided_slice(node, b, g.shape(node.input[0]), g.folded)
     if kind == "SpaceToDepth" and attr(node, "mode", "DCR") == "CRD":
         return _space_to_depth_crd(node, b, g)
     if kind == "Resize" and _crop_fill(node):

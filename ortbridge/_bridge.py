@@ -12,7 +12,7 @@ import torch
 
 from . import _call_ranks, _engines, _graph
 from ._runtime import InferenceGraph, current_stream
-from .exceptions import NotDifferentiableError, OnnxInputError, OnnxModelError
+from .exceptions import NotDifferentiableError, OnnxInputError, OnnxModelError, OrtBridgeError
 
 
 class Bridge:
@@ -48,6 +48,9 @@ class Bridge:
         #: Feed positions of the running statistics updated in train mode.
         self.running_stat_positions = {p for pair in self._stat_positions for p in pair}
         self._gradient_graphs: dict = {}
+        #: The training agent's graphs built under ``auto`` and not yet run
+        #: once on a call's tensors (:func:`_probe`).
+        self._unprobed: set = set()
         self._inference_graphs: dict = {}
         #: Tensors whose rank only a call can tell (:mod:`._call_ranks`); the
         #: graphs are then built, and cached, per input ranks.
@@ -99,6 +102,26 @@ class Bridge:
         if graph is None:
             graph = self._build(mode, key[1], device, tensors)
             self._gradient_graphs[key] = graph
+        if self._unprobed:
+            graph = self._probed(key, graph, tensors)
+        return graph
+
+    def _probed(self, key, graph, tensors):
+        """``graph``, or the onnxruntime engine's where the agent's fails its probe.
+
+        A graph built before any call (the construction's check) is probed at
+        the first call, which brings the inputs.
+        """
+        if graph not in self._unprobed or tensors is None or any(t is None for t in tensors):
+            return graph
+        self._unprobed.discard(graph)
+        try:
+            _probe(graph, tensors)
+        except _BackwardFailed as exc:
+            failed = "backward failed on the first call's inputs"
+            if not self._fall_back(exc.__cause__, failed):
+                raise exc.__cause__ from None
+            graph = self._gradient_graphs[key] = self._build(key[0], key[1], key[2], tensors)
         return graph
 
     def _build(self, mode: str, needs_grad: tuple, device: torch.device, tensors=None):
@@ -122,7 +145,7 @@ class Bridge:
             )
         while True:
             try:
-                return _engines.graph_class(self.engine)(
+                graph = _engines.graph_class(self.engine)(
                     model,
                     self.weight_names,
                     weights,
@@ -133,6 +156,9 @@ class Bridge:
                     batch_norm_nodes=batch_norms,
                     caller_order=self.feed_names,
                 )
+                if self.backend == _engines.AUTO:
+                    self._unprobed.add(graph)
+                return graph
             except NotDifferentiableError as exc:
                 # An input requiring grad that no gradient reaches gets
                 # none, as in torch (its .grad stays None).
@@ -146,15 +172,16 @@ class Bridge:
                     raise
             return self._build(mode, needs_grad, device, tensors)
 
-    def _fall_back(self, exc: Exception) -> bool:
+    def _fall_back(self, exc: Exception, failed: str = "gradient builder failed") -> bool:
         """Under ``backend="auto"``, move to the onnxruntime engine after the builder fails."""
         if self.backend != _engines.AUTO or getattr(exc, "unreachable", None):
             return False
         if not _engines.onnxruntime_engine_available():
             return False
         self.engine = _engines.ONNXRUNTIME
-        self.engine_reason = f"the training build's gradient builder failed: {exc}"
+        self.engine_reason = f"the training build's {failed}: {exc}"
         self._gradient_graphs.clear()
+        self._unprobed.clear()
         return True
 
     def reverse_bridge(self, graph, tensors):
@@ -267,6 +294,34 @@ class Bridge:
         n_user = len(outputs) - (2 * len(self.batch_norms) if mode == _graph.TRAIN else 0)
         self.update_running_stats(tensors, outputs[n_user:])
         return outputs[:n_user]
+
+
+class _BackwardFailed(Exception):
+    """The training agent's backward failed at run time (the cause) on a probe."""
+
+
+def _probe(graph, tensors) -> None:
+    """One forward and backward of the training agent's new ``graph`` on the
+    call's tensors, under ``backend="auto"``: its builder accepts graphs whose
+    backward then fails inside onnxruntime (a T5 encoder with an attention
+    mask: a broadcast gradient left unreduced), and the first training step
+    must not be where that shows. The probe's outputs are thrown away; a
+    forward that fails is left for the call itself to report.
+    """
+    with torch.no_grad():
+        try:
+            outputs, _, state = graph.forward(list(tensors))
+        except OrtBridgeError:
+            return
+        seeds = [
+            torch.ones_like(out)
+            for i, out in enumerate(outputs[: graph.n_user_outputs])
+            if i not in graph.non_differentiable
+        ]
+        try:
+            graph.backward(seeds, state)
+        except OrtBridgeError as exc:
+            raise _BackwardFailed() from exc
 
 
 def _input_ranks(tensors, n_inputs: int) -> tuple | None:

@@ -19,6 +19,10 @@ default trains weights only:
   initializers; a ``Constant`` node is a weight only by one of the roles
   above (an attention mask's zeros stay a constant).
 
+A factor of a product (``Mul``, ``MatMul``, ...) whose other factors are
+computed from shapes only is no weight there: rotary embeddings' inverse
+frequencies times the positions a ``Range`` counts out (a buffer in torch).
+
 BatchNormalization's running statistics are statistics: buffers, never
 trained. :func:`lift_constant_weights` turns the ``Constant`` nodes holding
 weights or statistics into initializers, so they become parameters and
@@ -34,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ._onnx_utils import FLOAT_TYPES, all_graphs
+from ._onnx_utils import FLOAT_TYPES, all_graphs, subgraphs
 
 # Inputs (by position) through which no gradient flows, per op type.
 NON_DIFFERENTIABLE_SLOTS = {
@@ -128,6 +132,8 @@ _STATISTIC_SLOTS = {"BatchNormalization": {3, 4}}
 _CONSTANT_SLOTS = {"Pow": {1}}
 #: Ops whose output is a product of their operands: an Add after one adds a bias.
 _PRODUCTS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"})
+#: Ops multiplying their operands: a factor of shapes makes the other no weight.
+_FACTORS = _PRODUCTS | {"Mul"}
 #: Ops that pass a tensor on unchanged in value: roles are read through them.
 _PASS_THROUGH = frozenset({"Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast"})
 
@@ -151,6 +157,7 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
     sizes: dict[str, int] = {}
     masks: set[str] = set()  # tensors holding infinities
     held: set[str] = set()  # outputs of Constant nodes
+    unit: set[str] = set()  # Constant outputs of all ones or all zeros
     producers: dict[str, onnx.NodeProto] = {}
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = collections.defaultdict(list)
     for graph in all_graphs(model.graph):
@@ -164,6 +171,8 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
             if value is not None:
                 sizes[node.output[0]] = value.size
                 held.add(node.output[0])
+                if value.size and ((value == 1).all() or (value == 0).all()):
+                    unit.add(node.output[0])
                 if not np.isfinite(value).all():
                     masks.add(node.output[0])
             for name in node.output:
@@ -171,6 +180,8 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
             for pos, name in enumerate(node.input):
                 if name:
                     readers[name].append((node, pos))
+
+    shaped = _from_shapes(model)
 
     def product_behind(name: str) -> bool:
         node = producers.get(name)
@@ -199,6 +210,16 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
             slots = _LAYER_SLOTS.get(node.op_type, ())
             if node.op_type in NON_DIFFERENTIABLE_OPS:
                 continue  # read for a comparison, a shape, a rounding: no role
+            if node.op_type in _FACTORS and all(
+                other in shaped for j, other in enumerate(node.input) if j != pos and other
+            ):
+                exponent = True  # scales what shapes give: no weight
+                continue
+            if node.op_type == "InstanceNormalization" and name in unit:
+                # TorchScript's GroupNorm: a plain normalisation over groups
+                # (Constant ones and zeros), the layer's affine weights after it
+                read = True
+                continue
             if slots is None or pos in slots:
                 role = WEIGHT
             elif pos in _STATISTIC_SLOTS.get(node.op_type, ()):
@@ -221,6 +242,26 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
             role = WEIGHT if plain else CONSTANT
         out[name] = role
     return out
+
+
+def _from_shapes(model: onnx.ModelProto) -> set[str]:
+    """Main-graph tensors computed from shapes and counts (``Shape``, ``Size``,
+    ``Range``: positions) and constants only, with no input depending on a
+    graph input's values or on a float initializer."""
+    graph = model.graph
+    data = {i.name for i in graph.input}
+    data.update(init.name for init in graph.initializer if init.data_type in FLOAT_TYPES)
+    shaped: set[str] = set()
+    for node in graph.node:
+        if node.op_type in ("Shape", "Size"):
+            shaped.update(node.output)
+        elif any(name in data for name in node.input) or subgraphs(node):
+            data.update(node.output)
+        elif node.op_type == "Range":
+            shaped.update(node.output)
+        elif any(name in shaped for name in node.input):
+            shaped.update(node.output)
+    return shaped
 
 
 def lift_constant_weights(model: onnx.ModelProto) -> list[str]:

@@ -213,7 +213,9 @@ class OnnxModule(nn.Module):
 
         Under ``backend="auto"`` it may change once, from the training agent to
         the onnxruntime engine, when the training build's gradient builder
-        fails on a gradient graph first built at a forward.
+        fails on a gradient graph first built at a forward, or the backward it
+        built fails on the first call's inputs (each new graph of the agent
+        runs once on them before it is used).
         """
         return self._bridge.engine
 

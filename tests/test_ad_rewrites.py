@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 onnx_ad = pytest.importorskip("onnx_ad")
@@ -726,10 +727,17 @@ def test_copying_pad_is_a_gather_per_axis(mode, pads, axes):
     assert "Pad" not in _ops(rewritten) and "Gather" in _ops(rewritten)
 
 
-def test_reflect_pad_of_a_dynamic_size_matches_torch():
-    """torch's F.pad(mode="reflect"), exported with a dynamic length, trains as torch's does."""
-    import torch
-
+@pytest.mark.parametrize(
+    "copy",
+    [
+        lambda y: torch.nn.functional.pad(y, (2, 3), mode="reflect"),
+        lambda y: y[:, :, 1::2],
+    ],
+    ids=["reflect-pad", "strided-slice"],
+)
+def test_copy_of_a_dynamic_length_matches_torch(copy):
+    """F.pad(mode="reflect") and x[:, :, 1::2], exported with a length only the
+    call tells, train as torch's do: the positions are computed at run time."""
     import ortbridge
 
     class Net(torch.nn.Module):
@@ -738,7 +746,7 @@ def test_reflect_pad_of_a_dynamic_size_matches_torch():
             self.conv = torch.nn.Conv1d(2, 3, 3)
 
         def forward(self, x):
-            return self.conv(torch.nn.functional.pad(x, (2, 3), mode="reflect"))
+            return self.conv(copy(x))
 
     from conftest import compare_with_torch, export
 
@@ -750,3 +758,45 @@ def test_reflect_pad_of_a_dynamic_size_matches_torch():
         net.zero_grad()
         layer.zero_grad()
         compare_with_torch(net, layer, [torch.randn(2, 2, length, requires_grad=True)])
+
+
+@pytest.mark.parametrize(
+    "starts, ends, axes, steps",
+    [
+        ([0, 1], [9, 9], [0, 1], [2, 2]),  # x[0::2, 1::2], Swin's patch merging
+        ([-1], [-9], [1], [-2]),  # backwards, from the end
+        ([1, 0], [3, 2**62], [0, 1], [1, 3]),  # one unit-step axis, an end past the axis
+    ],
+    ids=["every-other", "negative-step", "mixed"],
+)
+def test_strided_slice_is_a_gather_per_strided_axis(starts, ends, axes, steps):
+    inits = {k: np.array(v) for k, v in zip(("s", "e", "a", "t"), (starts, ends, axes, steps))}
+    model = _one("Slice", [("x", D, [5, 7])], inits)
+    with pytest.raises(Refused, match="step other than 1"):
+        onnx_ad.reverse(model, inputs=["x"], outputs=["y"], layout="onnx")
+    rewritten = _check(model, ["x"])
+    assert "Gather" in _ops(rewritten)
+
+
+def test_conv_input_gradient_keeps_a_shape_onnx_infers():
+    """onnx-ad's ConvTranspose for a Conv's input gradient, given ``output_shape``,
+    gets rank 2 from onnx's shape inference; a Reshape to the declared shape
+    after it (a seed axis put back, wav2vec2's grouped positional convolution)
+    then fails to load. ortbridge writes its pads out instead."""
+    import ortbridge
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv1d(4, 4, 6, padding=3, groups=2)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.conv(x)[:, :, :-1]) * x
+
+    from conftest import compare_with_torch, export
+
+    net = Net()
+    layer = ortbridge.OnnxModule(
+        export(net, (torch.randn(2, 4, 9),), dynamic_batch=False), backend="onnxruntime"
+    )
+    compare_with_torch(net, layer, [torch.randn(2, 4, 9, requires_grad=True)])

@@ -23,7 +23,7 @@ from ortbridge.exceptions import NotDifferentiableError
 pytestmark = requires_training_build
 
 #: What the onnxruntime engine refuses too (by name): "auto" cannot train them.
-_NEITHER = {"slice-steps", "split-to-sequence"}
+_NEITHER = {"split-to-sequence"}
 #: Node cases no engine checks: opset 8's Scan declares shapes its test data do not have.
 _HARNESS_ERRORS = {"test_scan_sum"}
 

@@ -246,6 +246,77 @@ def test_constant_weights_inside_a_subgraph_are_lifted_and_written_back():
     np.testing.assert_allclose(_run(written, x=x)[0], np.stack([x @ new] * 2), rtol=1e-6)
 
 
+def test_torchscript_group_norm_trains_its_affine_weights_only():
+    """TorchScript writes GroupNorm as an InstanceNormalization over the groups
+    with Constant ones and zeros, then the layer's weight and bias: those two
+    train, the exporter's ones and zeros stay constants."""
+    import io
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.GroupNorm(2, 4).eval()
+    with torch.no_grad():
+        model.weight.add_(torch.rand(4))
+        model.bias.add_(torch.rand(4))
+    x = torch.randn(3, 4, 5)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), buffer, dynamo=False, do_constant_folding=False)
+    proto = onnx.load_from_string(buffer.getvalue())
+    norms = [n for n in proto.graph.node if n.op_type == "InstanceNormalization"]
+    assert norms and all(
+        any(c.op_type == "Constant" and c.output[0] == name for c in proto.graph.node)
+        for name in norms[0].input[1:]
+    ), "the export no longer writes GroupNorm as this test expects"
+    layer = ortbridge.OnnxModule(proto)
+    assert {n for n, _ in layer.named_onnx_parameters()} == {"weight", "bias"}
+    layer(x).square().sum().backward()
+    model(x).square().sum().backward()
+    for name, param in layer.named_onnx_parameters():
+        torch.testing.assert_close(param.grad, getattr(model, name).grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("positions", ["counted", "given"])
+def test_a_factor_of_positions_counted_out_is_no_weight(positions):
+    """Rotary embeddings: inverse frequencies times the positions a Range counts
+    out (a buffer in torch) stay constants; times positions the caller gives,
+    or times a constant, they are weights as any other factor."""
+    i64 = TensorProto.INT64
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"], start=1, end=2),
+        helper.make_node("Squeeze", ["shape"], ["length"]),
+        helper.make_node("Range", ["zero", "length", "one"], ["count"]),
+        helper.make_node("Cast", ["count" if positions == "counted" else "pos"], ["p"], to=F),
+        helper.make_node("Unsqueeze", ["p", "axis"], ["column"]),
+        helper.make_node("Mul", ["column", "inv_freq"], ["angles"]),
+        helper.make_node("Cos", ["angles"], ["cos"]),
+        helper.make_node("Mul", ["scale", "half"], ["scaled"]),
+        helper.make_node("Mul", ["x", "cos"], ["rotated"]),
+        helper.make_node("Mul", ["rotated", "scaled"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(0, np.int64), "zero"),
+        numpy_helper.from_array(np.array(1, np.int64), "one"),
+        numpy_helper.from_array(np.array([1], np.int64), "axis"),
+        numpy_helper.from_array(np.array([1.0, 0.1, 0.01], np.float32), "inv_freq"),
+        numpy_helper.from_array(np.array([2.0, 3.0, 4.0], np.float32), "scale"),
+    ]
+    inputs = [helper.make_tensor_value_info("x", F, [2, "n", 3])]
+    if positions == "given":
+        inputs.append(helper.make_tensor_value_info("pos", i64, ["n"]))
+    graph = helper.make_graph(
+        [_const("half", 0.5), *nodes],
+        "rotary",
+        inputs,
+        [helper.make_tensor_value_info("y", F, None)],
+        inits,
+    )
+    kinds = roles(make_model(graph, opset=17))
+    assert kinds["scale"] == WEIGHT  # times a constant: a weight still
+    assert kinds["inv_freq"] == (CONSTANT if positions == "counted" else WEIGHT)
+
+
 def test_inspect_marks_weights_from_constant_nodes(tmp_path):
     from ortbridge._inspect import describe_model
 

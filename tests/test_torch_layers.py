@@ -15,14 +15,10 @@ gradient builder crashes on, refuses or gets wrong to the onnxruntime engine.
 
 from __future__ import annotations
 
-import io
-import warnings
-
-import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ENGINES, export
+from conftest import ENGINES, export, export_torchscript
 from torch import nn
 
 from ortbridge import OnnxModule, _ort
@@ -229,20 +225,7 @@ _ONNXRUNTIME_ENGINE = (
 def _export(model, inputs, exporter, train):
     if exporter == "dynamo":
         return export(model, inputs, dynamic_batch=False)
-    mode = torch.onnx.TrainingMode.TRAINING if train else torch.onnx.TrainingMode.EVAL
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model,
-            inputs,
-            buffer,
-            dynamo=False,
-            opset_version=17,
-            training=mode,
-            do_constant_folding=False,  # keeps the parameters' names (no folded transposes)
-        )
-    return onnx.load_from_string(buffer.getvalue())
+    return export_torchscript(model, inputs, train=train)
 
 
 def _exported(name, exporter):

@@ -21,6 +21,9 @@ One wrapper adds what onnx-ad refuses: the weight gradient of a grouped
 ``Conv`` (see :func:`_conv`), otherwise one Conv per group, which made a
 published OCR model's 14 depthwise convolutions 2,659 nodes forward and
 about 40,000 backward (minutes of graph building and session creation).
+Another writes the ``ConvTranspose`` of Conv's and the pools' input gradients
+with explicit pads, which onnx's shape inference gets right
+(:func:`_explicit_transposes`).
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def _conv(ctx, node, grads, original):
     group = next((a.i for a in node.attribute if a.name == "group"), 1)
     x, w, y = node.input[0], node.input[1], node.output[0]
     if group == 1 or not ctx.asked_for(w):
-        return original(ctx, node, grads)
+        return _explicit_transposes(ctx, node, grads, original)
     xs, ws, ys = ctx.shapes.shape(x), ctx.shapes.static(w), ctx.shapes.shape(y)
     if ws is None or not _known_but_batch(xs) or not _known_but_batch(ys):
         from onnx_ad import UnsupportedOperator
@@ -112,11 +115,59 @@ def _conv(ctx, node, grads, original):
     asked = ctx.asked_for
     ctx.asked_for = lambda name: name != w and asked(name)  # the weight is ours
     try:
-        contributions = list(original(ctx, node, grads))
+        contributions = list(_explicit_transposes(ctx, node, grads, original))
     finally:
         del ctx.asked_for
     contributions[1] = _grouped_conv_weight(ctx, node, group, xs, ws, ys, grads[0])
     return contributions
+
+
+def _explicit_transposes(ctx, node, grads, original):
+    """onnx-ad's rule, its ``ConvTranspose`` nodes given pads instead of ``output_shape``.
+
+    onnx's shape inference (1.23, and onnxruntime's) gives a ConvTranspose
+    with ``output_shape`` rank 2, so a Reshape after it to the declared shape
+    fails to load ("incompatible shapes": wav2vec2's positional convolution).
+    onnxruntime (1.19 and 1.31) splits the padding ``output_shape`` implies
+    with the odd one before (``total - total // 2``, then ``total // 2``); the
+    same pads written out give the same values.
+    """
+    start = len(ctx.b.nodes)
+    contributions = original(ctx, node, grads)
+    y = ctx.shapes.static(node.output[0])
+    kernel = next((list(a.ints) for a in node.attribute if a.name == "kernel_shape"), None)
+    if kernel is None and len(node.input) > 1:
+        w = ctx.shapes.static(node.input[1])
+        kernel = None if w is None else list(w[2:])
+    if y is None or kernel is None or None in kernel:
+        return contributions
+    for i in range(start, len(ctx.b.nodes)):
+        made = ctx.b.nodes[i]
+        if made.op_type == "ConvTranspose":
+            ctx.b.nodes[i] = _with_pads(made, list(y[2:]), kernel) or made
+    return contributions
+
+
+def _with_pads(node, sizes, kernel):
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    out = attrs.get("output_shape")
+    if not out or attrs.get("auto_pad", "NOTSET") != "NOTSET" or len(out) != len(sizes):
+        return None
+    ones = [1] * len(sizes)
+    strides, dilations = attrs.get("strides", ones), attrs.get("dilations", ones)
+    adjust = attrs.get("output_padding", [0] * len(sizes))
+    total = [
+        s * (n - 1) + a + (k - 1) * d + 1 - o
+        for n, k, s, d, a, o in zip(sizes, kernel, strides, dilations, adjust, out)
+    ]
+    if None in sizes or min(total) < 0:
+        return None
+    pads = [t - t // 2 for t in total] + [t // 2 for t in total]
+    attrs.pop("output_shape")
+    attrs["pads"] = pads
+    return onnx.helper.make_node(
+        "ConvTranspose", list(node.input), list(node.output), node.name, **attrs
+    )
 
 
 def _known_but_batch(shape) -> bool:
@@ -157,7 +208,14 @@ def _grouped_conv_weight(ctx, node, group, xs, ws, ys, grad):
     return ctx.unsqueeze(weight, [-1])
 
 
-_WRAPPERS = {"Softmax": _softmax, "LogSoftmax": _softmax, "Pow": _pow, "Conv": _conv}
+_WRAPPERS = {
+    "Softmax": _softmax,
+    "LogSoftmax": _softmax,
+    "Pow": _pow,
+    "Conv": _conv,
+    "AveragePool": _explicit_transposes,
+    "LpPool": _explicit_transposes,
+}
 
 
 #: Operators that carry a NaN in an input on to their outputs (or drop it with

@@ -1,0 +1,80 @@
+"""transformers' architectures, exported by both torch exporters, train with torch's gradients.
+
+The small configurations and exports of ``_transformers_zoo`` (random
+weights, eval mode; TorchScript with a dynamic batch, dynamo with static
+shapes and eager attention). Each loads with the defaults
+(``backend="auto"``) and, where onnx-ad is installed, on the onnxruntime
+engine too; outputs and every parameter's gradient are compared with torch
+autograd on the same weights, matched by name.
+
+The architectures are those whose exports no engine trained before: Swin
+(strided slices in its patch merging, window padding computed from shapes),
+SegFormer (depthwise convolutions), wav2vec2 (grouped positional
+convolution, a ``ConvTranspose`` in its gradient that onnx's shape inference
+got wrong) and a T5 encoder with an attention mask (the training agent's
+backward fails at run time: ``auto`` must notice before the first step).
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ENGINES
+
+from ortbridge import OnnxModule, _ort
+
+pytest.importorskip("transformers")
+
+from _transformers_zoo import EXPORTERS, exported, gradient_errors  # noqa: E402
+
+ORT = "onnxruntime"
+
+#: The architectures no engine trained before (the held-out survey,
+#: ``benchmarks/survey_transformers.py``, checks all fifteen).
+_NAMES = ["swin", "segformer", "wav2vec2", "t5-encoder"]
+
+_CACHE: dict = {}
+
+
+def _cached(name, exporter):
+    key = (name, exporter)
+    if key not in _CACHE:
+        _CACHE[key] = exported(name, exporter)
+    return _CACHE[key]
+
+
+@pytest.mark.parametrize("engine", ["auto", ORT])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("name", _NAMES)
+def test_transformers_model_trains_with_torch_gradients(name, exporter, engine):
+    if engine == ORT and ORT not in ENGINES:
+        pytest.skip("onnx-ad is not installed")
+    model, inputs, proto = _cached(name, exporter)
+    layer = OnnxModule(proto, backend=engine)
+    found = gradient_errors(model, layer, inputs)
+    assert not found["missing"], f"weights the output depends on, not parameters: {found}"
+    assert found["output"] < 1e-4 and not found["frozen"]
+    wrong = {k: e for k, e in found["errors"].items() if e > 1e-3}
+    assert not wrong, f"gradients unlike torch's (relative error): {wrong}"
+
+
+@pytest.mark.skipif(not _ort.has_training(), reason="needs onnxruntime-training")
+@pytest.mark.skipif(ORT not in ENGINES, reason="onnx-ad is not installed")
+@pytest.mark.parametrize("train", [False, True])
+def test_auto_leaves_the_agent_whose_backward_fails_before_the_first_step(train):
+    """The training agent builds a T5 encoder's gradient graph with a mask input,
+    and its backward then fails at run time (a broadcast gradient left
+    unreduced); ``auto`` runs it once on the first call's inputs and moves to
+    the onnxruntime engine, saying why. In train mode the graph is built at
+    construction (no inputs yet) and probed at the first call."""
+    from ortbridge.exceptions import OrtBridgeError
+
+    _, inputs, proto = _cached("t5-encoder", "torchscript")
+    agent = OnnxModule(proto, backend="training-agent").train(train)
+    with pytest.raises(OrtBridgeError, match="backward pass"):
+        agent(*inputs).sum().backward()
+    layer = OnnxModule(proto).train(train)
+    assert layer.backend == "training-agent"  # until a call shows otherwise
+    layer(*inputs).sum().backward()
+    assert layer.backend == ORT
+    assert "backward failed on the first call's inputs" in layer.backend_reason
+    assert all(p.grad is not None for p in layer.parameters())
