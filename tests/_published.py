@@ -58,6 +58,9 @@ _SILERO = ("silero-vad", "6.2.3")
 _RAPIDOCR = ("rapidocr", "3.10.0")
 _WAKEWORD = ("openwakeword", "0.4.0")  # torch 1.12's exporter
 _NUDENET = ("nudenet", "3.4.2")  # ultralytics' YOLOv8 export (torch 2.3), dynamic H and W
+_MAGIKA = ("magika", "0.5.1")  # tf2onnx 1.14 (Keras), an ai.onnx.ml opset
+_RAPIDOCR_V4 = ("rapidocr_onnxruntime", "1.3.24")  # PP-OCRv4, an older paddle2onnx (opset 12)
+_OWW_MODELS = "openwakeword/resources/models"
 _F32 = np.float32
 
 
@@ -106,6 +109,43 @@ CORPUS = [
         {"x": ((2, 3, 48, 96), _F32)},
     ),
     Published(*_NUDENET, "nudenet/320n.onnx", {"images": ((1, 3, 64, 64), _F32)}),
+    Published(  # two files of printable ASCII (tokens: bytes 0-255, 256 for padding)
+        *_MAGIKA,
+        "magika/models/standard_v1/model.onnx",
+        {"bytes": np.random.default_rng(0).integers(32, 127, (2, 1536)).astype(_F32)},
+        variant="magika",
+    ),
+    Published(  # tf2onnx 1.9
+        *_WAKEWORD, f"{_OWW_MODELS}/embedding_model.onnx", {"input_1": ((2, 76, 32, 1), _F32)}
+    ),
+    Published(
+        *_RAPIDOCR_V4,
+        "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
+        {"x": ((1, 3, 48, 64), _F32)},
+    ),
+]
+
+#: Published models held out of the test suite: ``benchmarks/bench_published.py
+#: --held-out`` builds them, checks the eval output against plain onnxruntime
+#: and takes training steps (a check of what the corpus's fixes reach).
+HELD_OUT = [
+    Published(
+        *_RAPIDOCR_V4,
+        "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
+        {"x": ((1, 3, 64, 64), _F32)},
+    ),
+    Published(*_WAKEWORD, f"{_OWW_MODELS}/melspectrogram.onnx", {"input": ((1, 1280), _F32)}),
+    Published(*_WAKEWORD, f"{_OWW_MODELS}/hey_jarvis_v0.1.onnx", {"x.1": ((1, 16, 96), _F32)}),
+    Published(
+        *_WAKEWORD,
+        f"{_OWW_MODELS}/silero_vad.onnx",
+        {
+            "input": ((2, 512), _F32),
+            "sr": np.array(16000, np.int64),
+            "h": ((2, 2, 64), _F32),
+            "c": ((2, 2, 64), _F32),
+        },
+    ),
 ]
 
 
