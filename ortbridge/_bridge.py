@@ -29,6 +29,7 @@ class Bridge:
         session_options=None,
         backend: str = _engines.AUTO,
         as_is: bool = False,
+        zero_gradient=(),
     ):
         self.model = model
         #: The graph is used as it is, without train/eval variants (a reverse
@@ -39,6 +40,11 @@ class Bridge:
         self.input_names = list(input_names)
         self.weight_names = list(weight_names)
         self.feed_names = self.input_names + self.weight_names
+        #: Feeds the outputs depend on only through ops of zero derivative
+        #: (Round, Floor, Ceil, Sign): no engine differentiates them, their
+        #: gradient is zeros (:func:`._function._backward`), as in torch.
+        self.zero_gradient = set(zero_gradient)
+        self.zero_slots = [i for i, n in enumerate(self.feed_names) if n in self.zero_gradient]
         self.frozen_batch_norm = frozen_batch_norm
         self.providers = providers
         self.session_options = session_options
@@ -129,6 +135,12 @@ class Bridge:
         n_in = len(self.input_names)
         inputs = [n for n, need in zip(self.input_names, needs_grad[:n_in]) if need]
         weights = [n for n, need in zip(self.weight_names, needs_grad[n_in:]) if need]
+        # Tensors of zero gradient are left to the zeros of _function._backward,
+        # unless nothing else needs one: then the engine's own graph gives them.
+        zero = self.zero_gradient
+        if any(n not in zero for n in inputs + weights):
+            inputs = [n for n in inputs if n not in zero]
+            weights = [n for n in weights if n not in zero]
         batch_norms = self.batch_norms if mode == _graph.TRAIN else ()
         if self.engine == _engines.ONNXRUNTIME:
             return _engines.gradient_graph(
@@ -183,6 +195,32 @@ class Bridge:
         self._gradient_graphs.clear()
         self._unprobed.clear()
         return True
+
+    def twin_differentiates(self, mode: str, graph) -> bool:
+        """Whether a double backward of the training agent's ``graph`` can run
+        on the onnxruntime engine's twin (:meth:`onnxruntime_twin`): under
+        ``auto``, with that engine installed, and where running the step again
+        changes nothing (eval mode, or no BatchNormalization statistics and no
+        Dropout masks in train mode)."""
+        if self.backend != _engines.AUTO or not _engines.onnxruntime_engine_available():
+            return False
+        return mode == _graph.EVAL or not (self.batch_norms or getattr(graph, "draws", True))
+
+    def onnxruntime_twin(self) -> Bridge:
+        """A bridge over the same graph on the onnxruntime engine (made once)."""
+        twin = self.__dict__.get("_twin")
+        if twin is None:
+            twin = self._twin = Bridge(
+                self.model,
+                self.input_names,
+                self.weight_names,
+                frozen_batch_norm=True,
+                providers=self.providers,
+                session_options=self.session_options,
+                backend=_engines.ONNXRUNTIME,
+                zero_gradient=self.zero_gradient,
+            )
+        return twin
 
     def reverse_bridge(self, graph, tensors):
         """A bridge over the whole reverse model of ``graph`` (for double backward).

@@ -87,7 +87,7 @@ def _forward(ctx, bridge, mode, *tensors):
     if len(outputs) > n_user:
         bridge.update_running_stats(tensors, outputs[n_user:])
         outputs = outputs[:n_user]
-    ctx.bridge, ctx.graph, ctx.token = bridge, graph, token
+    ctx.bridge, ctx.graph, ctx.token, ctx.mode = bridge, graph, token, mode
     ctx.output_meta = [(o.shape, o.dtype, o.device) for o in outputs]
     integers = [o for o in outputs if not o.is_floating_point()]
     if integers:
@@ -134,6 +134,8 @@ def _backward(ctx, *grad_outputs):
         tensors = _inputs(ctx, saved)
         grads = [torch.zeros_like(tensors[slot]) for slot in slots]
     elif torch.is_grad_enabled():
+        if not graph.saves_tensors and ctx.bridge.twin_differentiates(ctx.mode, graph):
+            return _twin_backward(ctx, grad_outputs, saved)
         grads, slots = _differentiable_backward(ctx, graph, feeds, saved)
     elif positional:
         n_kept, n_out = ctx.n_kept, ctx.n_saved_outputs
@@ -153,6 +155,11 @@ def _backward(ctx, *grad_outputs):
     result = [None] * (2 + len(ctx.bridge.feed_names))
     for slot, grad in zip(slots, grads):
         result[2 + slot] = grad
+    if ctx.bridge.zero_slots:  # reached through Round and the like only: zeros, as torch
+        tensors = _inputs(ctx, saved)
+        for slot in ctx.bridge.zero_slots:
+            if ctx.needs_input_grad[2 + slot] and result[2 + slot] is None:
+                result[2 + slot] = torch.zeros_like(tensors[slot])
     return tuple(result)
 
 
@@ -164,6 +171,28 @@ def _inputs(ctx, saved) -> list[torch.Tensor]:
     return tensors
 
 
+def _twin_backward(ctx, grad_outputs, saved):
+    """A backward that must be differentiable (``create_graph=True``) of the
+    training agent's graph under ``backend="auto"``: the onnxruntime engine's
+    twin of the graph, whose backward is differentiable, runs the step again
+    on the same tensors and gives the gradients."""
+    tensors = _inputs(ctx, saved)
+    outputs = ctx.bridge.onnxruntime_twin().function_apply(*tensors)
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
+    wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
+    grads = torch.autograd.grad(
+        [o for o, _ in pairs],
+        [tensors[i] for i in wanted],
+        [g for _, g in pairs],
+        create_graph=True,
+        allow_unused=True,
+    )
+    result = [None] * (2 + len(tensors))
+    for i, grad in zip(wanted, grads):
+        result[2 + i] = grad
+    return tuple(result)
+
+
 def _differentiable_backward(ctx, graph, feeds, saved):
     """The backward as a differentiable function of the inputs (``create_graph=True``):
     the gradients, and the slots of the graph built for these shapes they fill."""
@@ -171,7 +200,9 @@ def _differentiable_backward(ctx, graph, feeds, saved):
         raise OrtBridgeError(
             "double backward (create_graph=True) through an ONNX layer is not supported by "
             "the training-agent engine: its gradient graph is not differentiable and the "
-            "second-order term would be lost; build the module with backend='onnxruntime'"
+            "second-order term would be lost; build the module with backend='onnxruntime' "
+            "(backend='auto' does so itself, but not in train mode with BatchNormalization "
+            "or Dropout, whose statistics and masks a second run would change)"
         )
     tensors = _inputs(ctx, saved)
     reverse_bridge, order = ctx.bridge.reverse_bridge(graph, tensors)

@@ -92,6 +92,10 @@ class GraphSummary:
     default_trainable: set[str] = dataclasses.field(default_factory=set)
     #: Float initializers the file held in ``Constant`` nodes.
     from_constants: set[str] = dataclasses.field(default_factory=set)
+    #: Float inputs and initializers the outputs depend on only through ops
+    #: of zero derivative (Round, Floor, Ceil, Sign): their gradient is zeros,
+    #: as torch's is, not None (AdamW decays a zero gradient, skips a None).
+    zero_gradient: set[str] = dataclasses.field(default_factory=set)
 
 
 def summarize(model: onnx.ModelProto, original: onnx.ModelProto | None = None) -> GraphSummary:
@@ -111,7 +115,10 @@ def summarize(model: onnx.ModelProto, original: onnx.ModelProto | None = None) -
         for init in graph.initializer
         if init.data_type in FLOAT_TYPES
     }
-    reachable = _gradient_reachable(model, set(floats))
+    float_inputs = {s.name for s in inputs if s.elem_type in FLOAT_TYPES}
+    reachable = _gradient_reachable(model, set(floats) | float_inputs)
+    zero = _gradient_reachable(model, set(floats) | float_inputs, through_zero=True) - reachable
+    reachable = (reachable | zero) & set(floats)
     kinds = _graph_weights.roles(source)
     constants = {
         node.output[0]
@@ -129,11 +136,15 @@ def summarize(model: onnx.ModelProto, original: onnx.ModelProto | None = None) -
             n for n in reachable if kinds.get(n, _graph_weights.WEIGHT) == _graph_weights.WEIGHT
         },
         from_constants=constants & set(floats),
+        zero_gradient=zero,
     )
 
 
-def _gradient_reachable(model: onnx.ModelProto, candidates: set[str]) -> set[str]:
-    """Candidates from which a gradient path leads to a float graph output."""
+def _gradient_reachable(
+    model: onnx.ModelProto, candidates: set[str], through_zero: bool = False
+) -> set[str]:
+    """Candidates from which a gradient path leads to a float graph output;
+    ``through_zero``: also through ops whose derivative is zero (Round ...)."""
     types = _elem_types(model)
 
     def is_float(name):
@@ -142,8 +153,9 @@ def _gradient_reachable(model: onnx.ModelProto, candidates: set[str]) -> set[str
     needed = {o.name for o in model.graph.output if is_float(o.name)}
     # Walk nodes backwards: a node whose float output needs a gradient passes
     # the need on to its differentiable float inputs.
+    passing = _graph_weights.ZERO_DERIVATIVE_OPS if through_zero else ()
     for node in reversed(_topological(model.graph)):
-        if node.op_type in _graph_weights.NON_DIFFERENTIABLE_OPS:
+        if node.op_type in _graph_weights.NON_DIFFERENTIABLE_OPS and node.op_type not in passing:
             continue
         if not any(out in needed for out in node.output):
             continue

@@ -18,7 +18,7 @@ from ._graph_weights import lift_constant_weights
 from ._model_checks import check_runnable
 from ._onnx_utils import FLOAT_TYPES, np_dtype
 from ._sequence_rewrites import sequences_as_tensors
-from .exceptions import NotDifferentiableError, OnnxModelError
+from .exceptions import OnnxModelError
 
 
 def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -37,8 +37,10 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     - ``LayerNormalization`` with only its first output fails inside the
       builder: its optional mean and inverse-std outputs are named.
     - ``AveragePool`` over a tensor with a dynamic dimension: onnxruntime
-      1.19.2's ``AveragePoolGrad`` kills the process (SIGFPE); it becomes the
-      equivalent depthwise ``Conv`` with constant weights.
+      1.19.2's ``AveragePoolGrad`` kills the process (SIGFPE) or returns a
+      gradient of the wrong shape; it becomes the equivalent depthwise
+      ``Conv`` with constant weights where one exists (else the training
+      agent refuses it, :mod:`._engines._builder_limits`).
     - ``Dropout`` without its mask output: the gradient needs the mask.
     - Activations without a registered gradient (ELU, CELU, SELU, Softplus,
       Mish, HardSigmoid, HardSwish, PRelu) become standard ops
@@ -163,12 +165,9 @@ def _average_pool_as_conv(node, shapes, types, taken) -> list[onnx.NodeProto]:
         and (not any(pads) or attrs.get("count_include_pad", 0))
     )
     if not exact:
-        raise NotDifferentiableError(
-            f"node {node.name!r} (AveragePool): onnxruntime 1.19.2 crashes computing its "
-            "gradient when a dimension is dynamic, and it cannot be rewritten as a Conv "
-            "(needs a known channel count, no ceil_mode, no auto_pad, and no padding unless "
-            "count_include_pad=1); give the input static dimensions or use MaxPool"
-        )
+        # The training agent refuses it (``average-pool-dynamic`` of its
+        # builder limits); the onnxruntime engine differentiates it as it is.
+        return [node]
     kernel = list(attrs["kernel_shape"])
     channels = shape[1]
     elem = types.get(node.input[0], TensorProto.FLOAT)

@@ -105,6 +105,10 @@ NON_DIFFERENTIABLE_OPS = frozenset(
     }
 )
 
+#: Differentiable almost everywhere with a derivative of zero: torch gives
+#: what reaches the outputs only through them a zero gradient.
+ZERO_DERIVATIVE_OPS = frozenset({"Round", "Floor", "Ceil", "Sign"})
+
 WEIGHT = "weight"
 STATISTIC = "statistic"
 CONSTANT = "constant"
@@ -242,6 +246,29 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
             role = WEIGHT if plain else CONSTANT
         out[name] = role
     return out
+
+
+#: Operand positions holding a product's weight (not its bias), per op type.
+_PRODUCT_WEIGHT_SLOTS = {"MatMul": {0, 1}, "Gemm": {0, 1}, "Conv": {1}, "ConvTranspose": {1}}
+
+
+def product_weights(model: onnx.ModelProto) -> set[str]:
+    """Float initializers a MatMul, Gemm, Conv or ConvTranspose of the main graph
+    reads as its weight, directly or through layout ops (dynamo's transposed
+    Linear weights): where low-rank adapters go (:func:`ortbridge.adapters.lora`)."""
+    graph = model.graph
+    floats = {i.name for i in graph.initializer if i.data_type in FLOAT_TYPES}
+    through = _PASS_THROUGH | {"Transpose"}
+    source = {name: name for name in floats}  # tensor -> the initializer it passes on
+    found = set()
+    for node in graph.node:
+        if node.op_type in through and node.input and node.input[0] in source:
+            source[node.output[0]] = source[node.input[0]]
+        slots = _PRODUCT_WEIGHT_SLOTS.get(node.op_type, ())
+        for pos, name in enumerate(node.input):
+            if pos in slots and name in source:
+                found.add(source[name])
+    return found
 
 
 def _from_shapes(model: onnx.ModelProto) -> set[str]:

@@ -36,6 +36,10 @@ _PLAIN_STATUS = {
 }
 
 
+#: The ``(in ...)`` tail :func:`plain` gives the runtime's line naming the node.
+_RUNTIME_LINE = re.compile(r" \(in [^()]*(?:Non-zero status code|Name:)[^()]*\)$")
+
+
 def plain(text: str) -> str:
     """``text`` without source paths, signatures and mangled names, on one line."""
     text = re.sub(r"\s+", " ", str(text)).strip()
@@ -146,6 +150,9 @@ def translate(
         node, op_type, kernel = found
         if kernel:
             where += f", in its gradient kernel {kernel}"
+        # The runtime's own line ("Non-zero status code returned while
+        # running Gather node. Name: ...") says again what ``where`` says.
+        reason = _RUNTIME_LINE.sub("", reason)
     status = status_of(text)
     asked = _ALLOCATION.search(text)
     if asked:

@@ -170,6 +170,7 @@ class OnnxModule(nn.Module):
             providers=self._providers,
             session_options=self._session_options,
             backend=self.__dict__.get("_backend", "auto"),
+            zero_gradient=self._summary.zero_gradient,
         )
         self.function = make_function(function_name(self._original), self._summary.name)
 

@@ -127,6 +127,25 @@ def scatter_elements_reduction_add():
     )  # fmt: skip
 
 
+def average_pool_excluding_pads_of_a_dynamic_size():
+    """torch's avg_pool2d(padding=1, count_include_pad=False) over a dynamic size."""
+    node = h.make_node(
+        "AveragePool", ["x"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1],
+        count_include_pad=0,
+    )  # fmt: skip
+    graph = h.make_graph(
+        [node],
+        "average_pool_excluding_pads_of_a_dynamic_size",
+        [h.make_tensor_value_info("x", T.FLOAT, ["N", 2, "H", "W"])],
+        [h.make_tensor_value_info("y", T.FLOAT, None)],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    model.ir_version = 9
+    values = [_random(2, 2, 5, 5)]
+    reference = _reference_session(model).run(None, {"x": values[0]})
+    return _coverage.NodeCase(graph.name, "AveragePool", "", False, model, values, reference)
+
+
 def probe(name: str, suite=None) -> _coverage.NodeCase:
     """The probe ``name``: a function here, else a node case (``suite``: cases collected)."""
     if name in globals() and callable(globals()[name]):

@@ -458,3 +458,50 @@ def test_loop_whose_condition_may_stop_it_is_left_as_it_is():
     body.node[2].CopyFrom(helper.make_node("Less", ["i", "i"], ["c_out"]))  # stops after one step
     resolved, decisions = _control_flow.resolve(model, {"x": (3,)}, {"n": np.array(3)})
     assert resolved is model and decisions == ()
+
+
+@pytest.mark.parametrize("engine", ["auto", "onnxruntime"])
+def test_weight_read_inside_a_scan_body_trains_with_torch_gradients(engine):
+    """A recurrence written as a Scan whose body reads a weight from outside:
+    the weight is a parameter by default and gets torch's gradient."""
+    f = TensorProto.FLOAT
+    body = helper.make_graph(
+        [
+            helper.make_node("Mul", ["s_in", "w"], ["sw"]),
+            helper.make_node("Add", ["sw", "x_t"], ["pre"]),
+            helper.make_node("Tanh", ["pre"], ["s_out"]),
+            helper.make_node("Identity", ["s_out"], ["y_t"]),
+        ],
+        "step",
+        [
+            helper.make_tensor_value_info("s_in", f, [3]),
+            helper.make_tensor_value_info("x_t", f, [3]),
+        ],
+        [
+            helper.make_tensor_value_info("s_out", f, [3]),
+            helper.make_tensor_value_info("y_t", f, [3]),
+        ],
+    )
+    w0 = np.array([0.5, -0.8, 1.2], np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Scan", ["s0", "x"], ["s", "ys"], body=body, num_scan_inputs=1)],
+        "recurrence",
+        [helper.make_tensor_value_info("x", f, [5, 3])],
+        [
+            helper.make_tensor_value_info("s", f, [3]),
+            helper.make_tensor_value_info("ys", f, [5, 3]),
+        ],
+        [numpy_helper.from_array(w0, "w"), numpy_helper.from_array(np.zeros(3, np.float32), "s0")],
+    )
+    layer = ortbridge.OnnxModule(make_model(graph, opset=17), backend=engine)
+    assert "w" in dict(layer.named_onnx_parameters())
+    x = torch.randn(5, 3)
+    w = torch.tensor(w0, requires_grad=True)
+    s, ys = torch.zeros(3), []
+    for t in range(5):
+        s = torch.tanh(s * w + x[t])
+        ys.append(s)
+    (s.sum() + torch.stack(ys).square().sum()).backward()
+    out_s, out_ys = layer(x)
+    (out_s.sum() + out_ys.square().sum()).backward()
+    torch.testing.assert_close(layer.onnx_weight("w").grad, w.grad, rtol=1e-4, atol=1e-5)

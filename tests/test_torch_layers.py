@@ -276,12 +276,13 @@ def test_torch_layer_on_the_training_agent_trains_or_is_refused_by_name(name, ex
     assert name.startswith(_TRAINING_AGENT_TRAINS) or name.startswith("mha"), name
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
-def test_embedding_bag_weight_is_trainable_by_default(exporter):
+def test_embedding_bag_weight_is_trainable_by_default(exporter, mode):
     # Its weight is read inside the Loop body only, a capture the reachability
     # analysis follows.
-    model = _Bag("sum")
-    inputs = _LAYERS["embedding-bag-sum"][1]()
+    model = _Bag(mode)
+    inputs = _LAYERS[f"embedding-bag-{mode}"][1]()
     proto = _export(model, inputs, exporter, train=False)
     assert [name for name, _ in OnnxModule(proto).named_onnx_parameters()] == ["bag.weight"]
 
@@ -320,4 +321,40 @@ def _assert_grad(ours, ref, what):
         return
     torch.testing.assert_close(
         ours, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"gradient of {what}: {m}"
+    )
+
+
+class _Rounded(torch.nn.Module):
+    """A weight reaching the output only through Round, Floor, Ceil and Sign."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.step = nn.Parameter(torch.tensor([0.7, -1.6, 2.2]))
+
+    def forward(self, x, offset):
+        s = self.step
+        snapped = torch.round(s * 3) + torch.floor(s) + torch.ceil(s) + torch.sign(s)
+        return self.linear(x) * snapped + torch.sign(offset)
+
+
+@pytest.mark.parametrize("engine", ["auto", ORT])
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_weight_behind_a_zero_derivative_gets_zeros_as_in_torch(exporter, engine):
+    """torch gives what reaches the output only through round() and the like a
+    zero gradient, not None: AdamW decays the one and skips the other."""
+    model = _Rounded()
+    inputs = (torch.randn(2, 3), torch.randn(2, 3))
+    layer = OnnxModule(_export(model, inputs, exporter, False), backend=engine)
+    assert isinstance(dict(layer.named_onnx_parameters()).get("step"), nn.Parameter)
+    offset = inputs[1].clone().requires_grad_()
+    layer(inputs[0], offset).sum().backward()
+    ref_offset = inputs[1].clone().requires_grad_()
+    model(inputs[0], ref_offset).sum().backward()
+    step = layer.onnx_weight("step")
+    assert step.grad is not None and offset.grad is not None
+    torch.testing.assert_close(step.grad, model.step.grad)  # zeros
+    torch.testing.assert_close(offset.grad, ref_offset.grad)
+    torch.testing.assert_close(
+        layer.onnx_weight("linear.weight").grad, model.linear.weight.grad, rtol=1e-4, atol=1e-5
     )

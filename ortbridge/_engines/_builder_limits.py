@@ -89,6 +89,12 @@ def _avg_3d(node, _):
     return node.op_type == "AveragePool" and len(attr(node, "kernel_shape", []) or []) == 3
 
 
+def _avg_dynamic(node, facts):
+    # What normalisation could not rewrite as a depthwise Conv is left as it is.
+    shape = facts.shapes.get(node.input[0])
+    return node.op_type == "AveragePool" and (shape is None or None in shape)
+
+
 def _indices(node, _):
     return len(node.output) > 1 and bool(node.output[1])
 
@@ -193,6 +199,12 @@ LIMITS: tuple[Limit, ...] = (
     Limit(
         "average-pool-3d", ("AveragePool",), WRONG, "a 3-D window", _avg_3d,
         "test_averagepool_3d_default",
+    ),
+    Limit(
+        "average-pool-dynamic", ("AveragePool",), FAILS,
+        "a dynamic dimension and no Conv form (padding with count_include_pad=0, "
+        "ceil_mode, auto_pad or an unknown channel count)", _avg_dynamic,
+        "average_pool_excluding_pads_of_a_dynamic_size",
     ),
     Limit(
         "max-pool-indices", ("MaxPool",), WRONG, "an Indices output", _indices,
