@@ -4,6 +4,9 @@ from __future__ import annotations
 
 ORDER = [
     "plot_feature_extractor.py",
+    "plot_finetune_published.py",
+    "plot_lora_transformer.py",
+    "plot_frozen_backbone.py",
     "plot_recurrent_layer.py",
     "plot_sklearn_mlp.py",
     "plot_full_graph.py",

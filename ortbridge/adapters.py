@@ -1,0 +1,124 @@
+"""Low-rank adapters (LoRA) on the weights of an ONNX graph.
+
+The ONNX weights of an :class:`~ortbridge.OnnxModule` are ordinary
+``nn.Parameter``\\ s on its submodules, so torch's parametrizations apply to
+them as to any layer's (:func:`torch.nn.utils.parametrize.register_parametrization`):
+the graph reads the parametrized value, ``to_onnx()`` and ``save()`` write
+it merged into the initializer, ``state_dict`` holds the original and the
+adapter's parameters as torch's does. :func:`ortbridge.lora` puts a
+:class:`~ortbridge.adapters.LowRank` update on every product weight (what a
+MatMul, Gemm or Conv reads as its weight) in one call.
+
+>>> import torch
+>>> from ortbridge.adapters import LowRank
+>>> update = LowRank((4, 3), rank=2)
+>>> weight = torch.ones(4, 3)
+>>> bool((update(weight) == weight).all())  # B starts at zero: no change at first
+True
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from ._graph_weights import product_weights
+
+__all__ = ["LowRank", "lora"]
+
+
+class LowRank(nn.Module):
+    """``W + scale * (B @ A)``, the product reshaped to ``W``'s shape (LoRA).
+
+    ``A`` is ``(rank, prod(shape[1:]))``, ``B`` is ``(shape[0], rank)``: a
+    Conv's weight ``(out, in, kh, kw)`` gets ``B @ A`` of ``(out, in*kh*kw)``.
+    ``A`` starts as nn.Linear's weight does, ``B`` at zero, so the update
+    starts at zero. ``scale`` is LoRA's ``alpha / rank``.
+    """
+
+    def __init__(self, shape, rank: int, scale: float = 1.0, dtype=None, device=None):
+        super().__init__()
+        if len(shape) < 2 or rank < 1:
+            raise ValueError(f"a low-rank update needs a weight of 2 or more axes and rank >= 1, "
+                             f"got shape {tuple(shape)} and rank {rank}")  # fmt: skip
+        columns = math.prod(shape[1:])
+        self.A = nn.Parameter(torch.empty(rank, columns, dtype=dtype, device=device))
+        self.B = nn.Parameter(torch.zeros(shape[0], rank, dtype=dtype, device=device))
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
+        self.scale = scale
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + (self.B @ self.A).reshape(weight.shape) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"rank={self.A.shape[0]}, scale={self.scale}"
+
+
+def lora(
+    module: nn.Module,
+    rank: int = 8,
+    alpha: float | None = None,
+    names: str | list[str] | None = None,
+    freeze: bool = True,
+) -> list[nn.Parameter]:
+    """Put a :class:`~ortbridge.adapters.LowRank` update on the product weights of ``module``.
+
+    Parameters
+    ----------
+    module
+        An :class:`~ortbridge.OnnxModule`, or a module holding some.
+    rank
+        The rank of each update.
+    alpha
+        LoRA's scale numerator: the update is ``alpha / rank * B @ A``
+        (default: ``rank``, a scale of 1).
+    names
+        Glob patterns (``fnmatch``) of the ONNX initializer names to adapt,
+        for instance ``"*attn*"``; default: every weight a MatMul, Gemm or
+        Conv reads as its weight (2 or more axes, not a bias).
+    freeze
+        Freeze every ONNX weight of the module (``requires_grad=False``), so
+        that only the adapters train.
+
+    Returns
+    -------
+    list of nn.Parameter
+        The adapters' parameters, for the optimizer.
+    """
+    from .module import OnnxModule
+
+    patterns = [names] if isinstance(names, str) else names
+    scale = (rank if alpha is None else alpha) / rank
+    adapters: list[nn.Parameter] = []
+    layers = [m for m in module.modules() if isinstance(m, OnnxModule)]
+    if not layers:
+        raise TypeError(f"lora() adapts OnnxModule weights; {type(module).__name__} holds none")
+    for layer in layers:
+        if freeze:
+            for _, param in layer.named_onnx_parameters():
+                param.requires_grad_(False)
+        for name in sorted(product_weights(layer._original)):
+            if patterns and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                continue
+            if name not in layer._onnx_names:
+                continue
+            path = layer._onnx_names[name]
+            owner = layer._owner(path)
+            weight = getattr(owner, path[-1])
+            if weight.dim() < 2 or not weight.is_floating_point():
+                continue
+            update = LowRank(weight.shape, rank, scale, dtype=weight.dtype, device=weight.device)
+            parametrize.register_parametrization(owner, path[-1], update)
+            getattr(owner.parametrizations, path[-1]).original.requires_grad_(False)
+            adapters.extend([update.A, update.B])
+    if not adapters:
+        raise ValueError(
+            f"no product weight matched {patterns}: see OnnxModule.named_onnx_parameters()"
+            if patterns
+            else "no MatMul, Gemm or Conv reads a weight of the module's graphs"
+        )
+    return adapters
