@@ -48,3 +48,20 @@ def test_long_modules_say_why():
             assert re.search(r"\bone module\b|\bstays?\b", doc), (
                 f"{path.relative_to(ROOT)} has {text.count(chr(10))} lines and no reason"
             )
+
+
+def test_the_readmes_are_valid_restructuredtext():
+    """GitHub and PyPI render them: a malformed table shows as raw text."""
+    import io
+
+    import pytest
+
+    docutils_core = pytest.importorskip("docutils.core")
+    for path in (ROOT / "README.rst", ROOT / "benchmarks" / "README.rst"):
+        errors = io.StringIO()
+        docutils_core.publish_doctree(
+            path.read_text(),
+            source_path=str(path),
+            settings_overrides={"report_level": 3, "halt_level": 5, "warning_stream": errors},
+        )
+        assert not errors.getvalue(), f"{path.relative_to(ROOT)}:\n{errors.getvalue()}"
