@@ -193,7 +193,7 @@ def _reason(exc: BaseException) -> str:
     """An error in one line: its type and the first line of its message,
     without onnxruntime's source location and C++ signature."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = re.sub(r"/onnxruntime_src/\S+:\d+ \S+\([^)]*\) ", "", lines[0] if lines else "")
+    text = re.sub(r"/onnxruntime_src/\S+:\d+ [^(]*\([^)]*\) ", "", lines[0] if lines else "")
     if len(text) > 300:
         text = text[:297] + "..."
     return f"{type(exc).__name__}: {text}"
@@ -214,8 +214,7 @@ def build(name: str, model: torch.nn.Module, x: torch.Tensor) -> tuple[dict, dic
                 modules[variant] = ortbridge_layer(copy.deepcopy(model), proto, backend)
             except Exception as exc:
                 failed[variant] = _reason(exc)
-    # No feature table per instance, and no log of an error this script reports.
-    quiet = DebugOptions(log_level=LogLevel.FATAL)
+    quiet = DebugOptions(log_level=LogLevel.ERROR)  # no feature table per instance
     for variant in ("ortmodule", "ortmodule_nospin"):
         try:
             modules[variant] = ORTModule(copy.deepcopy(model), quiet)
