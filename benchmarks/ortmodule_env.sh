@@ -3,8 +3,9 @@
 # runs in: ORTModule (onnxruntime-training 1.19.2) does not work with
 # torch >= 2.9, so this environment holds an older torch that it supports,
 # onnxruntime-training-cpu 1.19.2 with ORTModule's C++ extensions compiled,
-# and ortbridge itself (installed without its dependencies so that pip keeps
-# the old torch). It stays out of CI and never touches the main .venv.
+# ortbridge's other dependencies (onnx, numpy, onnx-ad: both engines run) and
+# ortbridge itself (installed without its dependencies so that pip keeps the
+# old torch). It stays out of CI and never touches the main .venv.
 #
 # Usage: bash benchmarks/ortmodule_env.sh [VENV_DIR]   (default: .venv-ortmodule)
 # Environment: PYTHON (default python3.11), TORCH_VERSION (default 2.3.1).
@@ -27,9 +28,11 @@ py="$venv/bin/python"
 # torch first and alone, with the numpy it was built against (torch < 2.4
 # predates numpy 2).
 "$py" -m pip install "torch==$torch_version" "numpy<2"
-# onnx 1.16 writes IR 10 at most, what onnxruntime 1.19.2 loads.
+# onnx 1.16 writes IR 10 at most, what onnxruntime 1.19.2 loads. onnx-ad (the
+# onnxruntime engine's reverse mode, pinned as in setup.cfg) needs onnx >= 1.14
+# and numpy >= 1.21: these versions suit it. matplotlib draws the benchmark's plot.
 "$py" -m pip install "onnxruntime-training-cpu==1.19.2" "onnx==1.16.2" "numpy<2" \
-    ninja "torch==$torch_version"
+    "onnx-ad==0.3.0" matplotlib ninja "torch==$torch_version"
 "$py" -m pip install --no-deps -e "$root"
 
 # ORTModule's C++ extensions (aten op executor, torch interop utils), built
