@@ -1,0 +1,238 @@
+"""Training steps of real architectures: the onnxruntime engine against torch eager and the agent.
+
+transformers' ConvNeXt, SegFormer, MobileViT, ResNet, ViT and Whisper encoder
+in small configurations with random weights (``tests/_transformers_zoo.py``,
+TorchScript export with a dynamic batch, eval mode), and PP-OCRv6's text
+recogniser from the published corpus (no torch source: no eager column), on
+batches of ``--batch`` rows (16). A step is a forward and the backward of
+``sum(out**2)``; each engine installed runs it as ``OnnxModule(...,
+backend=engine)``.
+
+Hypothesis (the engine-speed work's targets): the onnxruntime engine's step
+is at most the training agent's and torch eager's, its construction plus
+first step at most 3x the agent's, and the tensors it saves for the backward
+at most 1.2x torch's. Printed per model: step ms of each way and the ratios
+measured side by side (interleaved rounds, medians), seconds to build and
+take the first step, bytes saved for the backward (torch's saved-tensor
+hooks: what eager and the onnxruntime engine keep; the agent keeps its own
+inside onnxruntime), and with ``--profile`` the op types that take the
+onnxruntime engine's time (onnxruntime's profiler, forward and backward
+sessions). Results go to ``results/bench_zoo[_training_env].json`` and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
+
+import ortbridge  # noqa: E402
+from ortbridge import _engines, _ort  # noqa: E402
+
+ARCHITECTURES = ["convnext", "segformer", "mobilevit", "resnet", "vit", "whisper-encoder"]
+RECOGNISER = "PP-OCRv6_rec_small"
+
+
+def _cases(names, batch):
+    """(name, torch model or None, inputs, ONNX model or path) per model; the
+    inputs repeated to ``batch`` rows (the exports' batch axis is dynamic)."""
+    from _transformers_zoo import exported
+
+    for name in names:
+        if name == RECOGNISER:
+            from _published import CORPUS, fetch
+
+            model = next(m for m in CORPUS if m.id == RECOGNISER)
+            inputs, source, model = model.feeds(["x"]), str(fetch(model)), None
+        else:
+            model, inputs, source = exported(name, "torchscript")
+        inputs = [t.repeat(-(-batch // len(t)), *[1] * (t.dim() - 1))[:batch] for t in inputs]
+        yield name, model, inputs, source
+
+
+def _engines_here() -> list[str]:
+    engines = []
+    if _ort.has_training():
+        engines.append(_engines.TRAINING_AGENT)
+    if _engines.onnxruntime_engine_available():
+        engines.append(_engines.ONNXRUNTIME)
+    return engines
+
+
+def _step(net, inputs):
+    out = net(*inputs)
+    out = out if isinstance(out, tuple) else (out,)
+    sum(o.float().square().sum() for o in out if o.is_floating_point()).backward()
+
+
+def _saved_bytes(net, inputs) -> int:
+    """Bytes of the tensors autograd keeps for the backward of one forward."""
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = net(*inputs)
+    del out
+    return total
+
+
+def _profile(layer, inputs, steps=3) -> dict:
+    """Milliseconds per step by op type in the onnxruntime engine's sessions."""
+    folder = tempfile.mkdtemp()
+    options = _ort.runtime().SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = os.path.join(folder, "zoo")
+    profiled = ortbridge.OnnxModule(layer.to_onnx(), backend="onnxruntime",
+                                    session_options=options).eval()  # fmt: skip
+    for _ in range(steps + 1):
+        _step(profiled, inputs)
+    by_op: dict = collections.Counter()
+    for graph in profiled._bridge._gradient_graphs.values():
+        for session in graph.sessions:
+            session.end_profiling()
+    for path in glob.glob(os.path.join(folder, "*.json")):
+        with open(path) as f:
+            for event in json.load(f):
+                if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                    by_op[event["args"].get("op_name", "?")] += event["dur"] / 1e3 / (steps + 1)
+    return dict(by_op.most_common(12))
+
+
+def _one(name, model, inputs, source, rounds, steps, profile) -> dict:
+    row: dict = {"model": name}
+    ways = {}
+    if model is not None:
+        inputs = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        ways["eager"] = model
+        row["eager_saved_bytes"] = _saved_bytes(model, inputs)
+    for engine in _engines_here():
+        start = time.perf_counter()
+        try:
+            layer = ortbridge.OnnxModule(source, backend=engine).eval()
+            _step(layer, inputs)
+        except ortbridge.OrtBridgeError as exc:
+            row[f"{engine}_error"] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        row[f"{engine}_build_and_first_step_s"] = time.perf_counter() - start
+        ways[engine] = layer
+        if engine == _engines.ONNXRUNTIME:
+            row["onnxruntime_saved_bytes"] = _saved_bytes(layer, inputs)
+            if profile:
+                row["onnxruntime_profile_ms"] = _profile(layer, inputs)
+    times = {way: [] for way in ways}
+    for _ in range(rounds):  # interleaved: each round times every way in turn
+        for way, net in ways.items():
+            _step(net, inputs)  # a warm step, then the timed ones
+            start = time.perf_counter()
+            for _ in range(steps):
+                _step(net, inputs)
+            times[way].append((time.perf_counter() - start) / steps * 1e3)
+    row["step_ms"] = {way: statistics.median(t) for way, t in times.items()}
+    return row
+
+
+def _ratio(row, a, b):
+    ms = row["step_ms"]
+    return ms[a] / ms[b] if a in ms and b in ms else None
+
+
+def _print(row):
+    ms = row["step_ms"]
+    cells = [f"{row['model']:20s}"]
+    for way in ("eager", _engines.TRAINING_AGENT, _engines.ONNXRUNTIME):
+        cells.append(f"{ms[way]:8.1f}" if way in ms else f"{'-':>8s}")
+    for a, b in (("onnxruntime", "eager"), ("onnxruntime", "training-agent")):
+        r = _ratio(row, a, b)
+        cells.append(f"{r:8.2f}" if r is not None else f"{'-':>8s}")
+    for engine in (_engines.TRAINING_AGENT, _engines.ONNXRUNTIME):
+        s = row.get(f"{engine}_build_and_first_step_s")
+        cells.append(f"{s:7.1f}" if s is not None else f"{'-':>7s}")
+    saved, eager = row.get("onnxruntime_saved_bytes"), row.get("eager_saved_bytes")
+    cells.append(f"{saved / eager:7.2f}" if saved and eager else f"{'-':>7s}")
+    print(" ".join(cells), flush=True)
+    for key, value in row.items():
+        if key.endswith("_error"):
+            print(f"    {key[:-6]}: {value}")
+    if "onnxruntime_profile_ms" in row:
+        top = ", ".join(f"{op} {ms:.1f}" for op, ms in row["onnxruntime_profile_ms"].items())
+        print(f"    onnxruntime engine, ms per step by op type: {top}")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["model"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    width = 0.38
+    for k, (other, colour) in enumerate((("eager", "tab:gray"), ("training-agent", "tab:green"))):
+        values = [_ratio(r, "onnxruntime", other) or 0 for r in rows]
+        xs = [i + (k - 0.5) * width for i in range(len(rows))]
+        ax.bar(xs, values, width, label=f"onnxruntime engine / {other}", color=colour)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), names, rotation=20)
+    ax.set_ylabel("step time ratio (lower is better)")
+    ax.set_title("One training step, median of interleaved rounds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=ARCHITECTURES + [RECOGNISER])
+    parser.add_argument("--batch", type=int, default=16, help="rows per step")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--profile", action="store_true", help="the engine's time by op type")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    header = (f"{'model':20s} {'eager':>8s} {'agent':>8s} {'ort eng':>8s} {'ort/eag':>8s} "
+              f"{'ort/agt':>8s} {'agt 1st':>7s} {'ort 1st':>7s} {'saved':>7s}")  # fmt: skip
+    print("step ms (median), ratios, build + first step s, saved bytes / eager's")
+    print(header)
+    rows = []
+    for name, model, inputs, source in _cases(args.models, args.batch):
+        rows.append(_one(name, model, inputs, source, args.rounds, args.steps, args.profile))
+        _print(rows[-1])
+    suffix = "_training_env" if _ort.has_training() else ""
+    record = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+        },  # fmt: skip
+        "onnxruntime": _ort.runtime().__version__,
+        "torch": torch.__version__,
+        "batch": args.batch,
+        "rows": rows,
+    }
+    with open(os.path.join(args.out, f"bench_zoo{suffix}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    plot(rows, os.path.join(args.out, f"bench_zoo{suffix}.png"))
+    print(f"wrote {args.out}/bench_zoo{suffix}.json and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
