@@ -11,6 +11,7 @@ import onnx
 import torch
 
 from . import _call_ranks, _engines, _graph
+from ._onnx_utils import FLOAT_TYPES
 from ._runtime import InferenceGraph, current_stream
 from .exceptions import NotDifferentiableError, OnnxInputError, OnnxModelError, OrtBridgeError
 
@@ -141,6 +142,8 @@ class Bridge:
         if any(n not in zero for n in inputs + weights):
             inputs = [n for n in inputs if n not in zero]
             weights = [n for n in weights if n not in zero]
+        elif inputs or weights:  # every one of them: no engine has anything to do
+            return _ZeroGraph(self, mode, device, tensors)
         batch_norms = self.batch_norms if mode == _graph.TRAIN else ()
         if self.engine == _engines.ONNXRUNTIME:
             return _engines.gradient_graph(
@@ -332,6 +335,33 @@ class Bridge:
         n_user = len(outputs) - (2 * len(self.batch_norms) if mode == _graph.TRAIN else 0)
         self.update_running_stats(tensors, outputs[n_user:])
         return outputs[:n_user]
+
+
+class _ZeroGraph:
+    """The gradient graph of a step whose every tensor needing a gradient has a
+    zero one (reached through Round and the like only): the forward is plain
+    inference, the backward gives nothing (``_function._backward`` the zeros)."""
+
+    saves_tensors = False
+    draws = False
+    save_outputs: list = []
+    grad_slots: list = []
+    full_shape: set = set()
+
+    def __init__(self, bridge: Bridge, mode: str, device: torch.device, tensors=None):
+        self._inference = bridge.inference_graph(mode, device, tensors)
+        self._names = bridge.feed_names
+        outputs = bridge.model.graph.output
+        self.n_user_outputs = len(outputs)
+        self.non_differentiable = {
+            i for i, o in enumerate(outputs) if o.type.tensor_type.elem_type not in FLOAT_TYPES
+        }
+
+    def forward(self, tensors):
+        return self._inference.run(dict(zip(self._names, tensors))), (), None
+
+    def backward(self, *args, **kwargs):
+        return []
 
 
 class _BackwardFailed(Exception):

@@ -213,7 +213,10 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
         for node, pos, seen_as in uses(name):
             slots = _LAYER_SLOTS.get(node.op_type, ())
             if node.op_type in NON_DIFFERENTIABLE_OPS:
-                continue  # read for a comparison, a shape, a rounding: no role
+                # read for a comparison, a shape: no role; rounded, it is read
+                # as torch reads a parameter it rounds (a zero gradient)
+                read = read or node.op_type in ZERO_DERIVATIVE_OPS
+                continue
             if node.op_type in _FACTORS and all(
                 other in shaped for j, other in enumerate(node.input) if j != pos and other
             ):

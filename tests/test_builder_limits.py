@@ -113,3 +113,12 @@ def test_node_cases_of_the_table_under_auto_are_never_wrong(suite, op_types):
     assert not wrong, "silently wrong gradients:\n" + "\n".join(wrong)
     died = [r.name for r in results if "process died" in r.detail]
     assert not died, died
+
+
+def test_an_entry_for_every_configuration_names_none():
+    from onnx import helper
+
+    node = helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="up")
+    limit = next(lim for lim in limits.LIMITS if lim.key == "conv-transpose")
+    text = limits.describe(node, limit)
+    assert text.startswith("node 'up' (op type ConvTranspose): onnxruntime-training"), text

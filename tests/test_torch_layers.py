@@ -338,6 +338,30 @@ class _Rounded(torch.nn.Module):
         return self.linear(x) * snapped + torch.sign(offset)
 
 
+class _RoundedOnly(torch.nn.Module):
+    """The only weight rounded: no engine has a gradient to compute."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = nn.Parameter(torch.tensor([0.7, -1.6, 2.2]))
+
+    def forward(self, x):
+        return x * torch.round(self.step)
+
+
+@pytest.mark.parametrize("engine", ["auto", ORT])
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("train", [False, True])
+def test_a_step_whose_every_gradient_is_zero_trains_as_in_torch(exporter, engine, train):
+    model, x = _RoundedOnly(), torch.randn(2, 3)
+    layer = OnnxModule(_export(model, (x,), exporter, False), backend=engine).train(train)
+    assert isinstance(dict(layer.named_onnx_parameters()).get("step"), nn.Parameter)
+    out = layer(x)
+    torch.testing.assert_close(out, model(x))
+    out.sum().backward()
+    torch.testing.assert_close(layer.onnx_weight("step").grad, torch.zeros(3))
+
+
 @pytest.mark.parametrize("engine", ["auto", ORT])
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
 def test_weight_behind_a_zero_derivative_gets_zeros_as_in_torch(exporter, engine):

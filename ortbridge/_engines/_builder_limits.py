@@ -327,8 +327,10 @@ def first_limit(model: onnx.ModelProto, nodes=None) -> tuple[onnx.NodeProto, Lim
 
 def describe(node: onnx.NodeProto, limit: Limit) -> str:
     """Why the builder must not see ``node``, in words."""
+    # "any": every configuration of the op, nothing to name.
+    shown = "" if limit.configuration == "any" else f" with {limit.configuration}"
     return (
-        f"node {node.name!r} (op type {node.op_type}) with {limit.configuration}: "
+        f"node {node.name!r} (op type {node.op_type}){shown}: "
         f"onnxruntime-training 1.19.2's gradient builder {_VERBS[limit.kind]}"
     )
 
