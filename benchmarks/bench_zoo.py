@@ -63,15 +63,6 @@ def _cases(names, batch):
         yield name, model, inputs, source
 
 
-def _engines_here() -> list[str]:
-    engines = []
-    if _ort.has_training():
-        engines.append(_engines.TRAINING_AGENT)
-    if _engines.onnxruntime_engine_available():
-        engines.append(_engines.ONNXRUNTIME)
-    return engines
-
-
 def _step(net, inputs):
     out = net(*inputs)
     out = out if isinstance(out, tuple) else (out,)
@@ -122,7 +113,7 @@ def _one(name, model, inputs, source, rounds, steps, profile) -> dict:
         inputs = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
         ways["eager"] = model
         row["eager_saved_bytes"] = _saved_bytes(model, inputs)
-    for engine in _engines_here():
+    for engine in _engines.installed():
         start = time.perf_counter()
         try:
             layer = ortbridge.OnnxModule(source, backend=engine).eval()

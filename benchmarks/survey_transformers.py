@@ -40,15 +40,6 @@ from ortbridge.exceptions import NotDifferentiableError  # noqa: E402
 TOLERANCE = 1e-3
 
 
-def _engines_here() -> list[str]:
-    engines = ["auto"]
-    if _ort.has_training():
-        engines.append("training-agent")
-    if _engines.onnxruntime_engine_available():
-        engines.append("onnxruntime")
-    return engines
-
-
 def _one(model, inputs, proto, engine) -> dict:
     start = time.perf_counter()
     try:
@@ -80,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(os.cpu_count() or 1)
-    engines = _engines_here()
+    engines = ["auto", *_engines.installed()]
     rows = []
     for name in args.models:
         for exporter in EXPORTERS:

@@ -21,14 +21,7 @@ import torch
 from ortbridge import OnnxModule, _engines, _ort
 
 #: Engines this environment runs: the training agent only with the training build.
-ENGINES = [
-    name
-    for name, available in (
-        (_engines.TRAINING_AGENT, _ort.has_training()),
-        (_engines.ONNXRUNTIME, _engines.onnxruntime_engine_available()),
-    )
-    if available
-]
+ENGINES = _engines.installed()
 
 requires_training_build = pytest.mark.skipif(
     not _ort.has_training(), reason="needs onnxruntime-training (the training build)"

@@ -60,6 +60,13 @@ def sample_rate_model():
         ],
         ["e1"],
     )
+    return _on_sample_rate(
+        "rate", then, other, 4, _weights(rng, ("w16", (3, 4)), ("w8", (3, 4)), ("b8", (4,)))
+    )
+
+
+def _on_sample_rate(name, then, other, width, weights):
+    """A model computing ``then`` if input ``sr`` is 16000, else ``other``, on x (n, 3)."""
     nodes = [
         _const("rate", np.array(16000, np.int64)),
         helper.make_node("Equal", ["sr", "rate"], ["is16"]),
@@ -67,13 +74,13 @@ def sample_rate_model():
     ]
     graph = helper.make_graph(
         nodes,
-        "rate",
+        name,
         [
             helper.make_tensor_value_info("x", FLOAT, ["n", 3]),
             helper.make_tensor_value_info("sr", INT64, []),
         ],
-        [helper.make_tensor_value_info("y", FLOAT, ["n", 4])],
-        _weights(rng, ("w16", (3, 4)), ("w8", (3, 4)), ("b8", (4,))),
+        [helper.make_tensor_value_info("y", FLOAT, ["n", width])],
+        weights,
     )
     return make_model(graph, opset=17)
 
@@ -137,22 +144,9 @@ def nested_model():
         ["t"],
     )
     other = _branch("else", [helper.make_node("Mul", ["x", "w8"], ["e"])], ["e"])
-    nodes = [
-        _const("rate", np.array(16000, np.int64)),
-        helper.make_node("Equal", ["sr", "rate"], ["is16"]),
-        helper.make_node("If", ["is16"], ["y"], then_branch=then, else_branch=other),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "nested",
-        [
-            helper.make_tensor_value_info("x", FLOAT, ["n", 3]),
-            helper.make_tensor_value_info("sr", INT64, []),
-        ],
-        [helper.make_tensor_value_info("y", FLOAT, ["n", 3])],
-        _weights(rng, ("scale", (3,)), ("shift", (3,)), ("w8", (3,))),
+    return _on_sample_rate(
+        "nested", then, other, 3, _weights(rng, ("scale", (3,)), ("shift", (3,)), ("w8", (3,)))
     )
-    return make_model(graph, opset=17)
 
 
 def _resolved(layer) -> ResolvedGradientGraph:

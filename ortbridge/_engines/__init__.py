@@ -51,6 +51,12 @@ def onnxruntime_engine_available() -> bool:
     return True
 
 
+def installed() -> list[str]:
+    """The engines this environment can run (the training agent first)."""
+    found = [TRAINING_AGENT] if _ort.has_training() else []
+    return found + ([ONNXRUNTIME] if onnxruntime_engine_available() else [])
+
+
 def resolve(backend: str, model: onnx.ModelProto) -> tuple[str, str]:
     """The engine for ``backend`` and ``model``, and why it was chosen."""
     if backend not in BACKENDS:
