@@ -241,10 +241,10 @@ def test_conv_auto_pad_becomes_explicit(mode):
     "x, w, attrs",
     [
         ([2, 4, 5, 6], [6, 2, 3, 3], {"group": 2, "pads": [1, 1, 1, 1]}),
-        ([1, 4, 7, 6], [4, 1, 3, 3], {"group": 4, "strides": [2, 2], "pads": [1, 0, 1, 1]}),
-        ([1, 3, 9], [6, 1, 3], {"group": 3, "dilations": [2], "strides": [3]}),
+        ([1, 8, 7, 6], [4, 2, 3, 3], {"group": 4, "strides": [2, 2], "pads": [1, 0, 1, 1]}),
+        ([1, 6, 9], [6, 2, 3], {"group": 3, "dilations": [2], "strides": [3]}),
     ],
-    ids=["group2", "depthwise-strided", "1d-dilated"],
+    ids=["group2", "group4-strided", "1d-dilated"],
 )
 def test_grouped_conv_weight_gradient(x, w, attrs):
     model = _one("Conv", [("x", F, x), ("w", F, w), ("b", F, [w[0]])], **attrs)

@@ -184,14 +184,18 @@ def test_grouped_conv_weight_gradient_is_one_grouped_conv(case, monkeypatch):
 
 
 @needs_engine
-def test_few_groups_are_still_split():
-    conv = nn.Conv2d(4, 8, 3, padding=1, groups=2)
-    assert 2 <= _ad_rewrites_conv.SPLIT_GROUPS
+@pytest.mark.parametrize("groups, convs", [(2, 2), (4, 1)], ids=["split", "depthwise"])
+def test_few_groups_are_still_split_unless_depthwise(groups, convs):
+    """Few groups of several input channels: one Conv per group; depthwise (one
+    input channel a group, ConvNeXt's 8-channel 7x7) one grouped node runs
+    faster, its weight gradient by the rule checked above."""
+    conv = nn.Conv2d(4, 8, 3, padding=1, groups=groups)
+    assert groups <= _ad_rewrites_conv.SPLIT_GROUPS
     x = torch.randn(2, 4, 5, 5)
     layer = OnnxModule(export(conv, (x,)), backend=ORT)
     (graph,) = layer._bridge._gradient_graphs.values()
     forward = graph.static_built([x]).split.forward.graph
-    assert sum(n.op_type == "Conv" for n in forward.node) == 2
+    assert sum(n.op_type == "Conv" for n in forward.node) == convs
 
 
 @needs_engine

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from conftest import ENGINES, export
@@ -249,31 +250,82 @@ def test_forward_returns_the_tensor_a_saved_view_views():
     assert "Reshape" in [n.op_type for n in built.split.backward.graph.node]
 
 
+def _counting_builds(monkeypatch) -> list:
+    """Record (static shapes, check only) of each onnxruntime-engine build."""
+    built = []
+    original = _onnxruntime._Built.__init__
+
+    def counting(self, *args, static=None, check_only=False):
+        built.append((static, check_only))
+        original(self, *args, static=static, check_only=check_only)
+
+    monkeypatch.setattr(_onnxruntime._Built, "__init__", counting)
+    return built
+
+
+@needs_engine
+def test_construction_only_checks_and_the_first_call_builds_once(monkeypatch):
+    """OnnxModule(...) runs onnx-ad's reverse pass alone (what cannot be
+    differentiated is still refused there); the graphs that run are built at
+    the first call for its shapes, once, and not the shape-generic ones."""
+    built = _counting_builds(monkeypatch)
+    layer = OnnxModule(_tanh_model(), backend=ORT)
+    assert built == [(None, True)]
+    for _ in range(2):
+        layer(torch.randn(5, 3)).sum().backward()
+    assert built[1:] == [(((5, 3),), False)]
+    assert all(p.grad is not None for p in layer.parameters())
+
+
+@needs_engine
+def test_construction_check_of_a_graph_needing_static_shapes_uses_a_stand_in(monkeypatch):
+    """A depthwise Conv's weight gradient over dynamic heights and widths needs
+    static shapes: the construction's check runs the reverse pass on stand-in
+    shapes, and the first call builds for its own."""
+    built = _counting_builds(monkeypatch)
+    conv = nn.Conv2d(2, 2, 3, padding=1, groups=2)
+    x = torch.randn(4, 2, 6, 5)
+    dims = {0: torch.export.Dim("n", min=1), 2: torch.export.Dim("h", min=2)}
+    dims[3] = torch.export.Dim("w", min=2)
+    layer = OnnxModule(export(conv, (x,), dynamic_shapes=(dims,)), backend=ORT)
+    assert [check for _, check in built] == [True, True]
+    assert built[1][0] == ((2, 2, 2, 2),)  # every dynamic dimension as 2
+    layer(x).sum().backward()
+    assert built[2:] == [(((4, 2, 6, 5),), False)]
+
+
 @pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"])
 @pytest.mark.parametrize(
     "axes, keepdims",
     [([2], 1), ([-2], 0), ([0, 2], 1), ([1, 3], 1), ([1], 1), ([1, 2], 0), ([0], 1), ([0, 1], 0)],
 )
-def test_reductions_take_onnxruntime_fast_paths(op, axes, keepdims):
+@pytest.mark.parametrize("opset", [18, 11])
+def test_reductions_take_onnxruntime_fast_paths(op, axes, keepdims, opset):
     """onnxruntime reduces an axis followed by a unit one slowly: the reduction
     reads a view without unit axes; a sum over leading axes is a product with
     a row of ones. The result is the same (up to the order of float
     additions). Reducing unit axes only is left alone (a view, for
-    collapse_views)."""
+    collapse_views). Before opset 18 (13 for ReduceSum) the axes are an
+    attribute (TorchScript's LayerNorm backward at opset 17)."""
     import onnxruntime as ort
 
     from ortbridge._engines._reductions import fast_reductions
 
     shape = [3, 1, 5, 1]
+    if opset >= 18:
+        node = helper.make_node(op, ["x", "axes"], ["y"], keepdims=keepdims)
+        inits = [numpy_helper.from_array(np.array(axes, np.int64), "axes")]
+    else:
+        node, inits = helper.make_node(op, ["x"], ["y"], axes=axes, keepdims=keepdims), []
     graph = helper.make_graph(
-        [helper.make_node(op, ["x", "axes"], ["y"], keepdims=keepdims)],
+        [node],
         "reduce",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(np.array(axes, np.int64), "axes")],
+        inits,
     )
-    model = make_model(graph)
-    rewritten = make_model(graph)
+    model = make_model(graph, opset)
+    rewritten = make_model(graph, opset)
     fast_reductions(rewritten)
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
 
@@ -293,6 +345,68 @@ def test_reductions_take_onnxruntime_fast_paths(op, axes, keepdims):
     else:
         (node,) = [n for n in rewritten.graph.node if n.op_type == op]
         assert node.input[0] != "x", ops  # a view without the unit axes
+
+
+@pytest.mark.parametrize("operand", ["initializer", "Constant", "computed"])
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_one_element_operands_get_the_rank_of_a_result_with_unit_axes(operand, shape):
+    """onnxruntime broadcasts a one-element operand of a lower rank over a
+    tensor with a trailing unit axis (onnx-ad's seed axis) one element at a
+    time, 80x slower than the same element at full rank: the operand is
+    reshaped to (1,) * rank, the result unchanged. A result without unit axes
+    is left alone."""
+    import onnxruntime as ort
+
+    from ortbridge._engines._optimize import facts
+    from ortbridge._engines._scalar_operands import full_rank_scalars
+
+    value = np.full(shape, 1.5, np.float32)
+    nodes, inits = [], []
+    if operand == "initializer":
+        inits.append(numpy_helper.from_array(value, "c"))
+    elif operand == "Constant":
+        nodes.append(helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(value)))
+    else:
+        inits.append(numpy_helper.from_array(value, "c0"))
+        nodes.append(helper.make_node("Neg", ["c0"], ["c"]))
+    nodes += [
+        helper.make_node("Div", ["x", "c"], ["y"]),
+        helper.make_node("Mul", ["c", "z"], ["w"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "scalars",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 1]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, 3]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, None),
+        ],
+        inits,
+    )
+    model = make_model(graph)
+    rewritten = make_model(graph)
+    full_rank_scalars(rewritten, facts(rewritten))
+    by_output = {n.output[0]: n for n in rewritten.graph.node}
+    divisor = by_output["y"].input[1]
+    assert divisor != "c"
+    assert facts(rewritten).shapes[divisor] == (1, 1, 1)
+    assert by_output["w"].input[0] == "c"  # (4, 3) has no unit axis: untouched
+    rng = np.random.default_rng(0)
+    feeds = {
+        "x": rng.standard_normal((4, 3, 1)).astype(np.float32),
+        "z": rng.standard_normal((4, 3)).astype(np.float32),
+    }
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, feeds)
+
+    for got, expected in zip(run(rewritten), run(model)):
+        assert got.shape == expected.shape
+        np.testing.assert_array_equal(got, expected)
 
 
 @needs_engine
@@ -909,3 +1023,42 @@ def test_softmax_masked_row_correction_only_where_a_node_can_mask_it(nan_masked)
     built = layer._bridge.gradient_graph("train", [True, False], x.device, [x])
     ops = {n.op_type for n in built.static_built([x]).split.backward.graph.node}
     assert ("IsNaN" in ops) == nan_masked, ops
+
+
+def test_backward_graph_opset_raised_to_18_where_exact():
+    """A backward graph of opset 17 reads as opset 18 (Col2Im's, for the input
+    gradient of a convolution) where each node means the same: reductions'
+    axes attributes become inputs, the values are unchanged; a graph holding
+    an op whose schema changed (Split) keeps its opset."""
+    import onnxruntime as ort
+
+    from ortbridge._engines._opset18 import raise_to_opset18
+
+    def model(extra=()):
+        nodes = [
+            helper.make_node("ReduceMean", ["x"], ["m"], axes=[1], keepdims=1),
+            helper.make_node("Sub", ["x", "m"], ["y"]),
+            *extra,
+        ]
+        outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])]
+        graph = helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])], outputs
+        )
+        return make_model(graph, 17)
+
+    raised = model()
+    assert raise_to_opset18(raised)
+    onnx.checker.check_model(raised, full_check=True)
+    assert raised.opset_import[0].version == 18
+    (mean,) = [n for n in raised.graph.node if n.op_type == "ReduceMean"]
+    assert len(mean.input) == 2 and not [a for a in mean.attribute if a.name == "axes"]
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, {"x": x})[0]
+
+    np.testing.assert_array_equal(run(raised), run(model()))
+    kept = model([helper.make_node("Split", ["y"], ["a", "b"], axis=0)])
+    assert not raise_to_opset18(kept)
+    assert kept.opset_import[0].version == 17

@@ -18,6 +18,11 @@ shapes seen (with static shapes onnx-ad knows which axes a broadcast sums
 over; the shape-generic graph computes them at run time, measured 1.2x
 slower on a transformer layer), the shape-generic graph beyond.
 
+Nothing runs onnx-ad's reverse pass twice for a call: before any call (the
+construction's check) only the reverse pass runs, to refuse what cannot be
+differentiated; the graphs that run are built at the first call, for its
+shapes.
+
 The module stays one: the graph pair, its per-shape cache and the stand-in
 shapes of the construction check are one mechanism, read together.
 """
@@ -102,38 +107,85 @@ class OrtGradientGraph:
         self._args = (model, feed_names, targets, device, session_options, providers, baked)
         self._by_shape: dict = {}
         self._generic_used = False
-        try:
-            self._built = first = _Built(*self._args, self._batch_norms)
-        except _NeedsStaticShapes:
-            self._built = None
-            # Checks now that the graph can be differentiated at all, on a
-            # call's shapes or a stand-in; real shapes are built on use.
-            shapes, first = self._stand_in(model, tensors)
-            self._by_shape[shapes] = first
+        #: The shape-generic graphs: built when first needed (None: not yet,
+        #: False: the graph needs static shapes).
+        self._built = None
+        n = self.n_inputs
+        if tensors is not None and all(t is not None for t in tensors[:n]):
+            # A call: the graphs for its shapes are the ones that run first
+            # (the shape-generic ones where those cannot be built).
+            try:
+                first = self.static_built(tensors)
+            except OrtBridgeError:
+                first = self._generic()
+                if first is None:
+                    raise
+                key = tuple(tuple(t.shape) for t in tensors[:n])
+                self._by_shape[key] = first
+        else:
+            # Before any call (the construction's check): only that the graph
+            # can be differentiated, on the shape-generic graph or a stand-in;
+            # the graphs that run are built for the first call's shapes.
+            first = self._checked(model)
         self.n_user_outputs = first.n_user_outputs
         self.non_differentiable = first.non_differentiable
         self.full_shape = set(range(self.n_user_outputs))
-        self.save_outputs = first.save_outputs
-        self.grad_slots = first.grad_slots
 
-    def _stand_in(self, model, tensors=None):
-        """Graphs built for a call's own input shapes where they are known, else
-        for dynamic dimensions of 2, or of :data:`STAND_IN_LARGE` where 2 fails
-        (a patch-embedding Conv's kernel and stride of 4 leave nothing of 2
-        pixels); the error of the larger size if both fail."""
-        n = self.n_inputs
-        if tensors is not None and all(t is not None for t in tensors[:n]):
-            # A stand-in may be too small for the graph (a convolution longer
-            # than 2 samples).
-            shapes = tuple(tuple(t.shape) for t in tensors[:n])
-            return shapes, _Built(*self._args, self._batch_norms, static=shapes)
+    def _checked(self, model):
+        """A check that the graph can be differentiated: the reverse pass alone,
+        shape-generic, or for dynamic dimensions of 2, or of
+        :data:`STAND_IN_LARGE` where 2 fails (a patch-embedding Conv's kernel
+        and stride of 4 leave nothing of 2 pixels); the error of the larger size
+        if both fail."""
+        try:
+            return _Built(*self._args, self._batch_norms, check_only=True)
+        except _NeedsStaticShapes:
+            self._built = False
         for size in (2, STAND_IN_LARGE):
-            shapes = _stand_in_shapes(model, n, size)
+            shapes = _stand_in_shapes(model, self.n_inputs, size)
             try:
-                return shapes, _Built(*self._args, self._batch_norms, static=shapes)
+                return _Built(*self._args, self._batch_norms, static=shapes, check_only=True)
             except OrtBridgeError:
                 if size == STAND_IN_LARGE:
                     raise
+
+    def _generic(self):
+        """The shape-generic graphs, built on first use; None where the graph
+        needs static shapes."""
+        if self._built is None:
+            try:
+                self._built = _Built(*self._args, self._batch_norms)
+            except _NeedsStaticShapes:
+                self._built = False
+        return self._built or None
+
+    def _reference(self):
+        """Graphs whose bookkeeping (gradient slots, outputs saved) the graph
+        reports: the first built, or the shape-generic (a stand-in's where the
+        graph needs static shapes) when none ran yet."""
+        if self._by_shape:
+            return next(iter(self._by_shape.values()))
+        generic = self._generic()
+        if generic is not None:
+            return generic
+        model = self._args[0]
+        for size in (2, STAND_IN_LARGE):
+            shapes = _stand_in_shapes(model, self.n_inputs, size)
+            try:
+                return self._for_shapes(shapes)
+            except OrtBridgeError:
+                if size == STAND_IN_LARGE:
+                    raise
+
+    @property
+    def save_outputs(self) -> list:
+        """User outputs the backward reads (those of the first graphs built)."""
+        return self._reference().save_outputs
+
+    @property
+    def grad_slots(self) -> list:
+        """Feed positions that get a gradient (those of the first graphs built)."""
+        return self._reference().grad_slots
 
     @property
     def sessions(self) -> list:
@@ -150,9 +202,9 @@ class OrtGradientGraph:
         return [pinning for session, pinning in pairs if session is not None]
 
     def _in_use(self) -> list:
-        """The graphs that ran (or, before any forward, the one built first)."""
+        """The graphs that ran (or, before any forward, the shape-generic one if built)."""
         used = list(dict.fromkeys(self._by_shape.values()))
-        if self._built is not None and (self._generic_used or not used):
+        if self._built and (self._generic_used or not used):
             used.append(self._built)
         return used
 
@@ -162,23 +214,26 @@ class OrtGradientGraph:
             tensors[p]._version != v or tensors[p].data_ptr() != ptr for p, v, ptr in self._settings
         ):
             self._setup(*self._args[:-1], tensors)
-        if self._built is None:
-            built = self.static_built(tensors)
-        else:
+        key = tuple(tuple(t.shape) for t in tensors[: self.n_inputs])
+        built = self._by_shape.get(key)
+        if built is None:
             # Graphs specialised on the first few shapes seen: with static
             # shapes onnx-ad knows which axes a broadcast sums over, where
             # the shape-generic graph computes and reduces them at run time.
-            key = tuple(tuple(t.shape) for t in tensors[: self.n_inputs])
-            built = self._by_shape.get(key)
-            if built is None:
-                built = self._built
-                if len(self._by_shape) < SPECIALISED_SHAPES:
-                    try:
-                        built = self.static_built(tensors)
-                    except OrtBridgeError:  # the shape-generic graph still runs it
-                        self._by_shape[key] = built
-                if built is self._built:
-                    self._generic_used = True
+            if self._built is False or len(self._by_shape) < SPECIALISED_SHAPES:
+                try:
+                    built = self.static_built(tensors)
+                except OrtBridgeError:  # the shape-generic graph may still run it
+                    built = self._generic()
+                    if built is None:
+                        raise
+                    self._by_shape[key] = built
+            else:
+                built = self._generic()
+                if built is None:
+                    built = self.static_built(tensors)
+            if built is self._built:
+                self._generic_used = True
         outputs, residuals = built.forward(tensors)
         return outputs, residuals, built
 
@@ -194,7 +249,9 @@ class OrtGradientGraph:
         only: the reverse model that is differentiated again is built for
         static shapes.
         """
-        key = tuple(tuple(t.shape) for t in tensors[: self.n_inputs])
+        return self._for_shapes(tuple(tuple(t.shape) for t in tensors[: self.n_inputs]))
+
+    def _for_shapes(self, key: tuple) -> _Built:
         built = self._by_shape.get(key)
         if built is None:
             built = _Built(*self._args, self._batch_norms, static=key)
@@ -231,6 +288,7 @@ class _Built:
         baked,
         batch_norms,
         static=None,
+        check_only=False,
     ):
         ad = onnx_ad()
         m = onnx.ModelProto()
@@ -264,6 +322,8 @@ class _Built:
             raise not_differentiable(exc, m) from exc
         except Exception as exc:
             raise not_differentiable(exc, m) from exc
+        if check_only:  # differentiable: what remains only makes it cheaper to run
+            return
         seeds = [i.name for i in reverse.graph.input][n_graph_inputs:]
         adjoints = [o.name for o in reverse.graph.output][len(m.graph.output) :]
         fix_seed_axis(reverse)
@@ -304,9 +364,8 @@ class _Built:
         self.bw_inputs = [i.name for i in parts.backward.graph.input]
         self.bw_outputs = [o.name for o in parts.backward.graph.output]
         self._loading = (device, session_options, providers)
-        # Sessions are made on the first run: the graph built at construction
-        # only checks that the model can be differentiated, and a graph for
-        # other shapes (or the shape-generic one) may be what runs.
+        # Sessions are made on the first run: a graph for other shapes (or
+        # the shape-generic one) may be what runs.
         self.fw_session = self.fw_pinning = self.bw_session = self.bw_pinning = None
         self.split = parts
         dev = ort_device(device)

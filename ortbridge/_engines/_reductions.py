@@ -12,14 +12,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .._graph_lookup import _unique
-from ._optimize import _const, facts, replace_nodes
+from ._optimize import Facts, _const, facts, replace_nodes
 from ._simplify import _constants, _static, reshape
 
 #: Reductions onnxruntime runs slowly where a unit axis follows the reduced ones.
 _REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"})
 
 
-def fast_reductions(model: onnx.ModelProto) -> None:
+def fast_reductions(model: onnx.ModelProto, found: Facts | None = None) -> None:
     """Reductions on onnxruntime's fast paths (in place).
 
     - A reduction of a tensor with axes of size 1 reduces its view without
@@ -33,19 +33,20 @@ def fast_reductions(model: onnx.ModelProto) -> None:
     """
     if not any(n.op_type in _REDUCTIONS for n in model.graph.node):
         return
-    found = facts(model)
+    found = facts(model) if found is None else found
     if found is not None:
         constants = _constants(model.graph)
         replace_nodes(model.graph, lambda n: _fast_reduction(n, found, constants))
 
 
 def _fast_reduction(node, found, constants) -> list | None:
-    if node.op_type not in _REDUCTIONS or node.domain or len(node.input) != 2:
+    if node.op_type not in _REDUCTIONS or node.domain:
         return None
     shape, out = found.shapes.get(node.input[0]), found.shapes.get(node.output[0])
-    if not _static(shape) or not _static(out) or node.input[1] not in constants:
+    listed = _listed_axes(node, constants)
+    if not _static(shape) or not _static(out) or not listed:
         return None
-    axes = {int(a) % len(shape) for a in np.ravel(constants[node.input[1]])}
+    axes = {int(a) % len(shape) for a in listed}
     kept = [a for a, d in enumerate(shape) if d != 1]
     squeezed_shape = [shape[a] for a in kept]
     reduced = [kept.index(a) for a in sorted(axes) if shape[a] != 1]
@@ -71,12 +72,25 @@ def _fast_reduction(node, found, constants) -> list | None:
             helper.make_node("Constant", [], [operand], value=numpy_helper.from_array(ones))
         )
         nodes.append(helper.make_node("MatMul", [operand, squeezed], [reduced_name]))
+    elif len(node.input) < 2:  # an opset where the axes are an attribute
+        nodes.append(
+            helper.make_node(node.op_type, [squeezed], [reduced_name], axes=reduced, keepdims=1)
+        )
     else:
         nodes.append(_const(operand, reduced))
         nodes.append(
             helper.make_node(node.op_type, [squeezed, operand], [reduced_name], keepdims=1)
         )
     return nodes + reshape(reduced_name, out, base, taken, node.name)
+
+
+def _listed_axes(node, constants) -> list | None:
+    """The axes ``node`` reduces, from its constant input or (before opset 18,
+    ReduceSum's 13) its attribute; None where unknown or empty (every axis)."""
+    if len(node.input) > 1 and node.input[1]:
+        value = constants.get(node.input[1])
+        return None if value is None else np.ravel(value).tolist() or None
+    return next((list(a.ints) for a in node.attribute if a.name == "axes"), None) or None
 
 
 _GEMV_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})

@@ -13,8 +13,11 @@ import onnx
 from .._onnx_utils import drop_unread_initializers
 from ._conv_grad import conv_input_gradients, conv_weight_gradients
 from ._norm_stats import forward_norm_statistics
+from ._opset18 import raise_to_opset18
+from ._optimize import facts
 from ._pool_grad import maxpool_gradients
 from ._reductions import fast_reductions
+from ._scalar_operands import full_rank_scalars
 from ._scan_hoist import hoisted_step_work
 from ._scan_outputs import scan_outputs_without_copies
 from ._scan_products import fused_scan_products
@@ -36,6 +39,8 @@ def after_split(backward: onnx.ModelProto, forward: onnx.ModelProto) -> None:
     """The backward graph's products, pools and sums in their cheaper forms
     (a Scan's step sums taken once after it)."""
     conv_weight_gradients(backward)
+    if any(n.op_type == "ConvTranspose" for n in backward.graph.node):
+        raise_to_opset18(backward)  # Col2Im's opset
     conv_input_gradients(backward)
     maxpool_gradients(backward, forward)
     concat_scatter_sums(backward)
@@ -50,5 +55,10 @@ def after_split(backward: onnx.ModelProto, forward: onnx.ModelProto) -> None:
     # Products in loop bodies, once their views have collapsed.
     fused_scan_products(backward)
     fused_scan_products(forward)
-    fast_reductions(backward)
+    # Both read the shapes of the graph as it now is (new tensors they add
+    # are not rewritten again).
+    found = facts(backward)
+    if found is not None:
+        fast_reductions(backward, found)
+        full_rank_scalars(backward, found)
     drop_unread_initializers(backward.graph)
