@@ -18,6 +18,10 @@ hooks: what eager and the onnxruntime engine keep; the agent keeps its own
 inside onnxruntime), and with ``--profile`` the op types that take the
 onnxruntime engine's time (onnxruntime's profiler, forward and backward
 sessions). Results go to ``results/bench_zoo[_training_env].json`` and a plot.
+
+``--build-profile`` instead times the onnxruntime engine's construction and
+first step, and each stage of its build (cProfile's cumulative seconds):
+``results/bench_zoo_build[_training_env].json``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
+
+from _measure import saved_bytes  # noqa: E402
 
 import ortbridge  # noqa: E402
 from ortbridge import _engines, _ort  # noqa: E402
@@ -69,21 +75,6 @@ def _step(net, inputs):
     sum(o.float().square().sum() for o in out if o.is_floating_point()).backward()
 
 
-def _saved_bytes(net, inputs) -> int:
-    """Bytes of the tensors autograd keeps for the backward of one forward."""
-    total = 0
-
-    def pack(tensor):
-        nonlocal total
-        total += tensor.numel() * tensor.element_size()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = net(*inputs)
-    del out
-    return total
-
-
 def _profile(layer, inputs, steps=3) -> dict:
     """Milliseconds per step by op type in the onnxruntime engine's sessions."""
     folder = tempfile.mkdtemp()
@@ -106,13 +97,53 @@ def _profile(layer, inputs, steps=3) -> dict:
     return dict(by_op.most_common(12))
 
 
+#: The stages of the onnxruntime engine's build, as (label, module, function):
+#: cumulative seconds of each (stages may nest: shape inference runs inside
+#: the rewrite passes).
+BUILD_STAGES = [
+    ("prepare (ortbridge rewrites for onnx-ad)", "ortbridge._engines._reverse_prep", "prepare"),
+    ("onnx-ad reverse pass", "onnx_ad.reverse", "reverse"),
+    ("optimize_reverse", "ortbridge._engines._optimize", "optimize_reverse"),
+    ("onnx-ad constant folding (inside the above)", "onnx_ad.fold", "fold_constants"),
+    ("static rewrites before the split", "ortbridge._engines._static_rewrites", "before_split"),
+    ("split in forward and backward", "ortbridge._engines._split", "split"),
+    ("static rewrites after the split", "ortbridge._engines._static_rewrites", "after_split"),
+    ("onnx shape inference (inside the above)", "onnx.shape_inference", "infer_shapes"),
+    ("session creation (forward and backward)", "ortbridge._runtime", "_session"),
+]
+
+
+def _build_profile(source, inputs) -> dict:
+    """Seconds of construction, of the first step, and by build stage (cProfile)."""
+    import cProfile
+    import importlib
+    import pstats
+
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    layer = ortbridge.OnnxModule(source, backend=_engines.ONNXRUNTIME).eval()
+    built = time.perf_counter()
+    _step(layer, inputs)
+    profiler.disable()
+    done = time.perf_counter()
+    stats = pstats.Stats(profiler).stats
+    stages = {}
+    for label, module, function in BUILD_STAGES:
+        code = getattr(importlib.import_module(module), function)
+        code = getattr(code, "__wrapped__", code).__code__
+        key = (code.co_filename, code.co_firstlineno, code.co_name)
+        stages[label] = stats[key][3] if key in stats else 0.0
+    return {"construction_s": built - start, "first_step_s": done - built, "stages_s": stages}
+
+
 def _one(name, model, inputs, source, rounds, steps, profile) -> dict:
     row: dict = {"model": name}
     ways = {}
     if model is not None:
         inputs = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
         ways["eager"] = model
-        row["eager_saved_bytes"] = _saved_bytes(model, inputs)
+        row["eager_saved_bytes"] = saved_bytes(model, *inputs)
     for engine in _engines.installed():
         start = time.perf_counter()
         try:
@@ -124,7 +155,7 @@ def _one(name, model, inputs, source, rounds, steps, profile) -> dict:
         row[f"{engine}_build_and_first_step_s"] = time.perf_counter() - start
         ways[engine] = layer
         if engine == _engines.ONNXRUNTIME:
-            row["onnxruntime_saved_bytes"] = _saved_bytes(layer, inputs)
+            row["onnxruntime_saved_bytes"] = saved_bytes(layer, *inputs)
             if profile:
                 row["onnxruntime_profile_ms"] = _profile(layer, inputs)
     times = {way: [] for way in ways}
@@ -195,9 +226,16 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
     parser.add_argument("--profile", action="store_true", help="the engine's time by op type")
+    parser.add_argument(
+        "--build-profile",
+        action="store_true",
+        help="only where the onnxruntime engine's construction and first step spend their time",
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
+    if args.build_profile:
+        return _main_build_profile(args)
     header = (f"{'model':20s} {'eager':>8s} {'agent':>8s} {'ort eng':>8s} {'ort/eag':>8s} "
               f"{'ort/agt':>8s} {'agt 1st':>7s} {'ort 1st':>7s} {'saved':>7s}")  # fmt: skip
     print("step ms (median), ratios, build + first step s, saved bytes / eager's")
@@ -222,6 +260,24 @@ def main(argv=None) -> int:
         json.dump(record, f, indent=1)
     plot(rows, os.path.join(args.out, f"bench_zoo{suffix}.png"))
     print(f"wrote {args.out}/bench_zoo{suffix}.json and .png")
+    return 0
+
+
+def _main_build_profile(args) -> int:
+    rows = []
+    for name, _, inputs, source in _cases(args.models, args.batch):
+        inputs = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        row = {"model": name, **_build_profile(source, inputs)}
+        rows.append(row)
+        print(f"{name}: construction {row['construction_s']:.2f} s, "
+              f"first step {row['first_step_s']:.2f} s", flush=True)  # fmt: skip
+        for label, seconds in row["stages_s"].items():
+            print(f"    {label:44s} {seconds:7.2f} s")
+    suffix = "_training_env" if _ort.has_training() else ""
+    path = os.path.join(args.out, f"bench_zoo_build{suffix}.json")
+    with open(path, "w") as f:
+        json.dump({"onnxruntime": _ort.runtime().__version__, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
     return 0
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from _measure import saved_bytes
 from conftest import ENGINES, export
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
@@ -410,13 +411,22 @@ def test_one_element_operands_get_the_rank_of_a_result_with_unit_axes(operand, s
 
 
 @needs_engine
-def test_layer_norm_backward_reads_the_forward_statistics():
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_layer_norm_backward_reads_the_forward_statistics(exporter):
     """The backward of LayerNormalization reads the Mean and InvStdDev its forward
-    node returned instead of computing them again; gradients as torch's."""
+    node returned instead of computing them again; gradients as torch's. At
+    TorchScript's opset 17 the recomputation's ReduceMeans take their axes as
+    an attribute."""
+    from conftest import export_torchscript
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
     x = torch.randn(5, 6)
-    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    if exporter == "dynamo":
+        exported = export(model, (x,), dynamic_batch=False)
+    else:
+        exported = export_torchscript(model, (x,))
+    layer = OnnxModule(exported, backend=ORT)
     _compare(model, layer, x)
     built = layer._bridge.gradient_graph("train", [True] * 7, x.device, [x]).static_built([x])
     (norm,) = [n for n in built.split.forward.graph.node if n.op_type == "LayerNormalization"]
@@ -1062,3 +1072,76 @@ def test_backward_graph_opset_raised_to_18_where_exact():
     kept = model([helper.make_node("Split", ["y"], ["a", "b"], axis=0)])
     assert not raise_to_opset18(kept)
     assert kept.opset_import[0].version == 17
+
+
+@needs_engine
+def test_exact_gelu_runs_as_one_kernel_and_saves_its_input_only(monkeypatch):
+    """TorchScript spells nn.GELU() out (Div, Erf, Add, Mul, Mul): the forward
+    runs it as onnxruntime's one Gelu kernel and the backward reads its input
+    alone, as torch's does, with torch's gradients; a float64 GELU (the
+    kernel is float32's) stays spelled out."""
+    from conftest import export_torchscript
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+    x = torch.randn(5, 6)
+    exported = export_torchscript(net, (x,))
+    layer = OnnxModule(exported, backend=ORT)
+    _compare(net, layer, x)
+    graph = list(layer._bridge._gradient_graphs.values())[-1].static_built([x])
+    ops = [(n.domain, n.op_type) for n in graph.split.forward.graph.node]
+    assert ("com.microsoft", "Gelu") in ops and ("", "Erf") not in ops, ops
+    monkeypatch.setattr(_onnxruntime, "fused_gelus", lambda model: 0)
+    spelled_out = OnnxModule(exported, backend=ORT)
+    activation = x.shape[0] * 16 * 4  # bytes of one (5, 16) float32 tensor
+    # x / sqrt(2) and 1 + erf no longer kept: the input and the output (which
+    # the next Linear's weight gradient reads) are, as in torch
+    ours = x.clone().requires_grad_()
+    assert saved_bytes(spelled_out, ours) - saved_bytes(layer, ours) == 2 * activation
+
+    from ortbridge._engines._gelu import fused_gelus
+
+    double = export_torchscript(net.double(), (x.double(),))
+    assert fused_gelus(double) == 0 and "Erf" in [n.op_type for n in double.graph.node]
+
+
+def test_gelu_spelled_with_the_half_first_and_a_product_by_one_over_sqrt2_is_fused():
+    """0.5 * x first, x * 0.7071 inside the Erf: the same GELU, one node, the
+    same values; an intermediate read elsewhere keeps the graph as it is."""
+    import onnxruntime as ort
+
+    from ortbridge._engines._gelu import fused_gelus
+
+    def model(extra_output=False):
+        scalar = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731
+        nodes = [
+            helper.make_node("Mul", ["x", "c"], ["d"]),
+            helper.make_node("Erf", ["d"], ["e"]),
+            helper.make_node("Add", ["one", "e"], ["a"]),
+            helper.make_node("Mul", ["half", "x"], ["h"]),
+            helper.make_node("Mul", ["h", "a"], ["y"]),
+        ]
+        outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3])]
+        if extra_output:
+            outputs.append(helper.make_tensor_value_info("e", TensorProto.FLOAT, [4, 3]))
+        graph = helper.make_graph(
+            nodes,
+            "gelu",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+            outputs,
+            [scalar("c", 0.70710678), scalar("one", 1.0), scalar("half", 0.5)],
+        )
+        return make_model(graph)
+
+    fused = model()
+    assert fused_gelus(fused) == 1
+    assert [(n.domain, n.op_type) for n in fused.graph.node] == [("com.microsoft", "Gelu")]
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(["y"], {"x": x})[0]
+
+    np.testing.assert_allclose(run(fused), run(model()), rtol=1e-6, atol=1e-6)
+    kept = model(extra_output=True)
+    assert fused_gelus(kept) == 0 and len(kept.graph.node) == 5

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from .._onnx_utils import attr
-from ._optimize import facts
+from ._optimize import facts, reduce_axes
 from ._simplify import _constants
 
 
@@ -73,10 +73,11 @@ def _statistics(norm, found, constants, readers) -> dict[str, str]:
 def _mean_over(node, x, axes, constants) -> bool:
     if node.op_type != "ReduceMean" or node.input[0] != x or attr(node, "keepdims", 1) != 1:
         return False
-    if len(node.input) < 2 or node.input[1] not in constants:
+    listed = reduce_axes(node, constants)  # an input, or before opset 18 an attribute
+    if listed is None:
         return False
     rank = axes[-1] + 1
-    return sorted(int(a) % rank for a in np.ravel(constants[node.input[1]])) == axes
+    return sorted(int(a) % rank for a in listed) == axes
 
 
 def _inverse_std(centred, axes, epsilon, readers, constants) -> str | None:

@@ -42,6 +42,7 @@ from ..exceptions import (
     OrtBridgeError,
 )
 from . import _split, _static_rewrites, _train_ops
+from ._gelu import declare_gelu_outputs, fused_gelus
 from ._optimize import optimize_reverse
 from ._reverse_prep import (
     STATIC_HINT,
@@ -300,6 +301,7 @@ class _Built:
         stat_outputs, self.masks = _train_ops.lower_training_nodes(m, batch_norms)
         refuse_old_ceil_pools(m)  # before prepare rewrites the pools
         prepare(m)
+        fused_gelus(m)
         declare_outputs(m)
         if static is None and any(
             mask.shape is None or any(d is None for d in mask.shape) for mask in self.masks
@@ -324,6 +326,7 @@ class _Built:
             raise not_differentiable(exc, m) from exc
         if check_only:  # differentiable: what remains only makes it cheaper to run
             return
+        declare_gelu_outputs(m, reverse)
         seeds = [i.name for i in reverse.graph.input][n_graph_inputs:]
         adjoints = [o.name for o in reverse.graph.output][len(m.graph.output) :]
         fix_seed_axis(reverse)

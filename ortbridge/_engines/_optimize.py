@@ -241,6 +241,15 @@ def _transpose_of_unit_axes(node, shapes, taken):
     return nodes
 
 
+def reduce_axes(node, constants) -> list | None:
+    """The axes ``node`` reduces, from its constant input or (before opset 18,
+    ReduceSum's 13) its attribute; None where unknown or empty (every axis)."""
+    if len(node.input) > 1 and node.input[1]:
+        value = constants.get(node.input[1])
+        return None if value is None else np.ravel(value).tolist() or None
+    return next((list(a.ints) for a in node.attribute if a.name == "axes"), None) or None
+
+
 def _const(name, values):
     value = numpy_helper.from_array(np.array(values, dtype=np.int64))
     return helper.make_node("Constant", [], [name], value=value)

@@ -12,7 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .._graph_lookup import _unique
-from ._optimize import Facts, _const, facts, replace_nodes
+from ._optimize import Facts, _const, facts, reduce_axes, replace_nodes
 from ._simplify import _constants, _static, reshape
 
 #: Reductions onnxruntime runs slowly where a unit axis follows the reduced ones.
@@ -43,7 +43,7 @@ def _fast_reduction(node, found, constants) -> list | None:
     if node.op_type not in _REDUCTIONS or node.domain:
         return None
     shape, out = found.shapes.get(node.input[0]), found.shapes.get(node.output[0])
-    listed = _listed_axes(node, constants)
+    listed = reduce_axes(node, constants)
     if not _static(shape) or not _static(out) or not listed:
         return None
     axes = {int(a) % len(shape) for a in listed}
@@ -82,15 +82,6 @@ def _fast_reduction(node, found, constants) -> list | None:
             helper.make_node(node.op_type, [squeezed, operand], [reduced_name], keepdims=1)
         )
     return nodes + reshape(reduced_name, out, base, taken, node.name)
-
-
-def _listed_axes(node, constants) -> list | None:
-    """The axes ``node`` reduces, from its constant input or (before opset 18,
-    ReduceSum's 13) its attribute; None where unknown or empty (every axis)."""
-    if len(node.input) > 1 and node.input[1]:
-        value = constants.get(node.input[1])
-        return None if value is None else np.ravel(value).tolist() or None
-    return next((list(a.ints) for a in node.attribute if a.name == "axes"), None) or None
 
 
 _GEMV_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})

@@ -1,0 +1,164 @@
+"""The exact GELU spelled out in standard ops, as one ``com.microsoft`` ``Gelu`` node.
+
+Exporters below opset 20 write ``nn.GELU()`` as
+``0.5 * x * (1 + Erf(x / sqrt(2)))`` (TorchScript: ``Div``, ``Erf``, ``Add``,
+``Mul``, ``Mul``). Differentiated node by node, the backward reads four of
+those tensors, each the size of the activation, where torch keeps the input
+only; the forward runs five kernels. onnxruntime's ``Gelu`` contrib kernel
+(float, in every build, CPU and CUDA) computes the same function in one;
+onnx-ad's rule for ``Gelu`` (by op type, the exact form: the contrib op has
+no ``approximate``) gives its derivative from the input alone, so the
+forward saves ``x`` only.
+
+Matched where each intermediate has one reader and is no graph output, the
+constants are sqrt(2) (or its inverse as a ``Mul``), 1 and 0.5 to float32
+precision, and ``x`` is float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx
+from onnx import helper, numpy_helper
+
+_MS = "com.microsoft"
+_TOLERANCE = 1e-6
+
+
+def fused_gelus(model: onnx.ModelProto) -> int:
+    """Rewrite ``model``'s spelled-out exact GELUs in place; how many were fused."""
+    graph = model.graph
+    if not any(n.op_type == "Erf" for n in graph.node):
+        return 0
+    constants = {i.name: i for i in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            constants[node.output[0]] = node.attribute[0].t
+    producer = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    types, shapes = _float_types(model)
+    replaced: dict[int, onnx.NodeProto | None] = {}  # id(node) -> its replacement or None
+    for erf in graph.node:
+        if erf.op_type != "Erf" or erf.domain:
+            continue
+        match = _match(erf, producer, readers, outputs, constants)
+        if match is None or types.get(match[0]) != onnx.TensorProto.FLOAT:
+            continue
+        x, nodes = match
+        if any(id(n) in replaced for n in nodes):
+            continue
+        last = nodes[-1]
+        fused = helper.make_node(
+            "Gelu", [x], [last.output[0]], name=f"{last.name or last.output[0]}/gelu", domain=_MS
+        )
+        for n in nodes:
+            replaced[id(n)] = None
+        replaced[id(last)] = fused
+        # onnx's shape inference does not know the contrib op: what it
+        # returns is declared (x's type and shape).
+        declared = onnx.ValueInfoProto()
+        declared.CopyFrom(shapes[x]) if x in shapes else declared.type.tensor_type.SetInParent()
+        declared.name = last.output[0]
+        declared.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+        graph.value_info.append(declared)
+    if not replaced:
+        return 0
+    kept = []
+    for node in graph.node:
+        if id(node) not in replaced:
+            kept.append(node)
+        elif replaced[id(node)] is not None:
+            kept.append(replaced[id(node)])
+    del graph.node[:]
+    graph.node.extend(kept)
+    if not any(o.domain == _MS for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(_MS, 1))
+    return sum(1 for n in replaced.values() if n is not None)
+
+
+def _match(erf, producer, readers, outputs, constants):
+    """``(x, nodes)`` of the GELU around ``erf``, nodes in graph order of use; or None."""
+
+    def only_reader(name):
+        found = readers.get(name, [])
+        if len(found) != 1 or name in outputs:
+            return None
+        return found[0]
+
+    def other(node, name):
+        if len(node.input) != 2 or node.domain:
+            return None
+        a, b = node.input
+        return b if a == name else a if b == name else None
+
+    def is_value(name, value):
+        tensor = constants.get(name)
+        if tensor is None:
+            return False
+        array = numpy_helper.to_array(tensor)
+        return array.size == 1 and abs(float(array.ravel()[0]) - value) <= _TOLERANCE * value
+
+    scaled = producer.get(erf.input[0])
+    if scaled is None or scaled.domain or only_reader(scaled.output[0]) is not erf:
+        return None
+    if scaled.op_type == "Div" and is_value(scaled.input[1], math.sqrt(2)):
+        x = scaled.input[0]
+    elif scaled.op_type == "Mul":
+        x = next((i for i in scaled.input if is_value(other(scaled, i), math.sqrt(0.5))), None)
+        if x is None:
+            return None
+    else:
+        return None
+    plus = only_reader(erf.output[0])
+    if plus is None or plus.op_type != "Add" or not is_value(other(plus, erf.output[0]), 1.0):
+        return None
+    second = only_reader(plus.output[0])
+    if second is None or second.op_type != "Mul":
+        return None
+    factor = other(second, plus.output[0])
+    if factor == x:  # x * (1 + erf), then * 0.5
+        last = only_reader(second.output[0])
+        if last is None or last.op_type != "Mul":
+            return None
+        if not is_value(other(last, second.output[0]), 0.5):
+            return None
+        return x, [scaled, erf, plus, second, last]
+    half = producer.get(factor)  # (0.5 * x) * (1 + erf)
+    if half is None or half.op_type != "Mul" or only_reader(factor) is not second:
+        return None
+    if other(half, x) is None or not is_value(other(half, x), 0.5):
+        return None
+    return x, [half, scaled, erf, plus, second]
+
+
+def _float_types(model: onnx.ModelProto) -> tuple[dict, dict]:
+    """Element types and value infos of the graph's tensors, from onnx's shape inference."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        return {}, {}
+    g = inferred.graph
+    types = {i.name: i.data_type for i in g.initializer}
+    infos = {}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        types[vi.name] = vi.type.tensor_type.elem_type
+        infos[vi.name] = vi
+    return types, infos
+
+
+def declare_gelu_outputs(source: onnx.ModelProto, target: onnx.ModelProto) -> None:
+    """Copy ``source``'s declarations of its fused GELUs' outputs into ``target``
+    (onnx-ad's reverse model leaves them out, and onnx's shape inference
+    cannot give them)."""
+    outputs = {n.output[0] for n in target.graph.node if n.op_type == "Gelu" and n.domain == _MS}
+    if not outputs:
+        return
+    known = {vi.name for vi in target.graph.value_info}
+    for vi in source.graph.value_info:
+        if vi.name in outputs and vi.name not in known:
+            target.graph.value_info.append(vi)
