@@ -370,7 +370,9 @@ def _resize_fill(node, b, g):
 
 
 def _batch_norm(node, b, g):
-    """Inference BatchNormalization as (x - mean) * scale / sqrt(var + eps) + bias."""
+    """Inference BatchNormalization as ``x * factor + (bias - mean * factor)``,
+    ``factor = scale / sqrt(var + eps)``: two passes over ``x`` (torch's own
+    CPU inference form), the rest on per-channel vectors."""
     dims = g.shape(node.input[0])
     if dims is None or len(dims) < 2 or attr(node, "training_mode", 0):
         return None
@@ -381,8 +383,9 @@ def _batch_norm(node, b, g):
         return b.op("Unsqueeze", name, axes) if axes else name
 
     eps = b.const(attr(node, "epsilon", 1e-5))
-    factor = b.op("Div", channel(scale), b.op("Sqrt", b.op("Add", channel(var), eps)))
-    b.op("Add", b.op("Mul", b.op("Sub", x, channel(mean)), factor), channel(bias))
+    factor = b.op("Div", scale, b.op("Sqrt", b.op("Add", var, eps)))
+    shift = b.op("Sub", bias, b.op("Mul", mean, factor))
+    b.op("Add", b.op("Mul", x, channel(factor)), channel(shift))
     return b.replacing(node)
 
 

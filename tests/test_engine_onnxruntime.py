@@ -200,6 +200,24 @@ def test_conv_weight_gradient_by_im2col_matches_torch(c_in, stride, padding, bat
 
 
 @needs_engine
+def test_large_kernel_of_few_filters_keeps_one_convolution_for_its_weight_gradient():
+    """A stem's 7x7 kernel over 3 channels into 8 filters: im2col by one-hot
+    kernels would cost 64 products a window element against the 8 of the
+    product after it, so onnx-ad's one convolution stays; torch's gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 7, stride=2, padding=3), nn.Tanh())
+    x = torch.randn(4, 3, 16, 16)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    layer(x).sum().backward()
+    model(x).sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(layer.get_parameter(name).grad, param.grad, rtol=1e-4, atol=1e-4)
+    graph = layer._bridge.gradient_graph("train", [False, True, True], x.device, [x])
+    backward = graph.static_built([x]).split.backward.graph
+    assert not [n for n in backward.node if n.op_type == "Conv" and n.output[0].endswith("/cols")]
+
+
+@needs_engine
 @pytest.mark.parametrize(
     "stride, padding, dilation, size",
     [(1, 0, 1, 9), (2, 1, 1, 9), (2, 0, 1, 8), (1, 2, 2, 10), (3, 1, 1, 11)],
@@ -1075,34 +1093,40 @@ def test_backward_graph_opset_raised_to_18_where_exact():
 
 
 @needs_engine
-def test_exact_gelu_runs_as_one_kernel_and_saves_its_input_only(monkeypatch):
-    """TorchScript spells nn.GELU() out (Div, Erf, Add, Mul, Mul): the forward
-    runs it as onnxruntime's one Gelu kernel and the backward reads its input
-    alone, as torch's does, with torch's gradients; a float64 GELU (the
-    kernel is float32's) stays spelled out."""
+@pytest.mark.parametrize(
+    "activation, fused, spelled, fewer",
+    [(nn.GELU, "Gelu", "Erf", 2), (nn.SiLU, "QuickGelu", "Sigmoid", 1)],
+    ids=["gelu", "silu"],
+)
+def test_activation_runs_as_one_kernel_and_saves_its_input_only(
+    activation, fused, spelled, fewer, monkeypatch
+):
+    """TorchScript spells nn.GELU() out (Div, Erf, Add, Mul, Mul) and nn.SiLU()
+    (Sigmoid, Mul): the forward runs each as one onnxruntime kernel and the
+    backward reads its input alone, as torch's does, with torch's gradients
+    (GELU: x / sqrt(2) and 1 + erf no longer kept; SiLU: the sigmoid); a
+    float64 one (the kernels are float32's) stays spelled out."""
     from conftest import export_torchscript
 
+    from ortbridge._engines._fused_activations import fused_activations
+
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+    net = nn.Sequential(nn.Linear(6, 16), activation(), nn.Linear(16, 3))
     x = torch.randn(5, 6)
     exported = export_torchscript(net, (x,))
     layer = OnnxModule(exported, backend=ORT)
     _compare(net, layer, x)
     graph = list(layer._bridge._gradient_graphs.values())[-1].static_built([x])
     ops = [(n.domain, n.op_type) for n in graph.split.forward.graph.node]
-    assert ("com.microsoft", "Gelu") in ops and ("", "Erf") not in ops, ops
-    monkeypatch.setattr(_onnxruntime, "fused_gelus", lambda model: 0)
+    assert ("com.microsoft", fused) in ops and ("", spelled) not in ops, ops
+    monkeypatch.setattr(_onnxruntime, "fused_activations", lambda model: 0)
     spelled_out = OnnxModule(exported, backend=ORT)
-    activation = x.shape[0] * 16 * 4  # bytes of one (5, 16) float32 tensor
-    # x / sqrt(2) and 1 + erf no longer kept: the input and the output (which
-    # the next Linear's weight gradient reads) are, as in torch
+    size = x.shape[0] * 16 * 4  # bytes of one (5, 16) float32 tensor
     ours = x.clone().requires_grad_()
-    assert saved_bytes(spelled_out, ours) - saved_bytes(layer, ours) == 2 * activation
-
-    from ortbridge._engines._gelu import fused_gelus
+    assert saved_bytes(spelled_out, ours) - saved_bytes(layer, ours) == fewer * size
 
     double = export_torchscript(net.double(), (x.double(),))
-    assert fused_gelus(double) == 0 and "Erf" in [n.op_type for n in double.graph.node]
+    assert fused_activations(double) == 0 and spelled in [n.op_type for n in double.graph.node]
 
 
 def test_gelu_spelled_with_the_half_first_and_a_product_by_one_over_sqrt2_is_fused():
@@ -1110,7 +1134,7 @@ def test_gelu_spelled_with_the_half_first_and_a_product_by_one_over_sqrt2_is_fus
     same values; an intermediate read elsewhere keeps the graph as it is."""
     import onnxruntime as ort
 
-    from ortbridge._engines._gelu import fused_gelus
+    from ortbridge._engines._fused_activations import fused_activations
 
     def model(extra_output=False):
         scalar = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731
@@ -1134,7 +1158,7 @@ def test_gelu_spelled_with_the_half_first_and_a_product_by_one_over_sqrt2_is_fus
         return make_model(graph)
 
     fused = model()
-    assert fused_gelus(fused) == 1
+    assert fused_activations(fused) == 1
     assert [(n.domain, n.op_type) for n in fused.graph.node] == [("com.microsoft", "Gelu")]
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
 
@@ -1144,4 +1168,4 @@ def test_gelu_spelled_with_the_half_first_and_a_product_by_one_over_sqrt2_is_fus
 
     np.testing.assert_allclose(run(fused), run(model()), rtol=1e-6, atol=1e-6)
     kept = model(extra_output=True)
-    assert fused_gelus(kept) == 0 and len(kept.graph.node) == 5
+    assert fused_activations(kept) == 0 and len(kept.graph.node) == 5

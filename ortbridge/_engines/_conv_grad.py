@@ -19,9 +19,10 @@ below, which reads ``X`` and ``G`` where they are:
   MatMul over the flattened spatial axis, summed over the batch.
 
 Applied to graphs with static shapes only, to group 1 and unit strides of the
-gradient convolution (the forward's dilation 1), and where the batched
+gradient convolution (the forward's dilation 1), where the batched
 product stays small next to the activations (it holds ``N * C_out * C_in *
-KH * KW`` values).
+KH * KW`` values), and to kernels of at most 16 taps or fewer taps than
+filters.
 
 The input gradient onnx-ad writes as ``ConvTranspose(G, W)``, which
 onnxruntime runs slowly on the CPU, and more slowly still with workers that
@@ -48,6 +49,9 @@ from .._graph_lookup import _unique
 from .._onnx_utils import attr
 from ._optimize import _const, _perm, facts, replace_nodes
 
+#: Kernels of at most this many taps (window elements) always take the im2col
+#: form (3x3 layers: measured faster whatever their filters).
+_SMALL_KERNEL = 16
 #: The batched product may hold this many times the larger of ``X`` and ``G``.
 _MAX_PRODUCT_RATIO = 4
 
@@ -142,6 +146,12 @@ def _rewrite(node, found):
     c_out, (h, w) = g_shape[1], g_shape[2:4]
     kh, kw = out[2], out[3]
     if tuple(out[:2]) != (c_in, c_out) or g_shape[0] != n or x not in types:
+        return None
+    if kh * kw > max(c_out - 1, _SMALL_KERNEL):
+        # Each one-hot column costs the depthwise Conv kh*kw products a
+        # window element, the product that follows c_out: a large kernel of
+        # few filters (ResNet's stem, 7x7 stride 2, 3 -> 64 channels: 3.6 ms
+        # a step, 3.2 ms without, 2 cores) keeps onnx-ad's one convolution.
         return None
     product = n * c_out * c_in * kh * kw
     if product > _MAX_PRODUCT_RATIO * max(np.prod(shapes[x]), np.prod(g_shape)):

@@ -42,7 +42,7 @@ from ..exceptions import (
     OrtBridgeError,
 )
 from . import _split, _static_rewrites, _train_ops
-from ._gelu import declare_gelu_outputs, fused_gelus
+from ._fused_activations import declare_fused_outputs, fused_activations
 from ._optimize import optimize_reverse
 from ._reverse_prep import (
     STATIC_HINT,
@@ -301,7 +301,7 @@ class _Built:
         stat_outputs, self.masks = _train_ops.lower_training_nodes(m, batch_norms)
         refuse_old_ceil_pools(m)  # before prepare rewrites the pools
         prepare(m)
-        fused_gelus(m)
+        fused_activations(m)
         declare_outputs(m)
         if static is None and any(
             mask.shape is None or any(d is None for d in mask.shape) for mask in self.masks
@@ -326,7 +326,7 @@ class _Built:
             raise not_differentiable(exc, m) from exc
         if check_only:  # differentiable: what remains only makes it cheaper to run
             return
-        declare_gelu_outputs(m, reverse)
+        declare_fused_outputs(m, reverse)
         seeds = [i.name for i in reverse.graph.input][n_graph_inputs:]
         adjoints = [o.name for o in reverse.graph.output][len(m.graph.output) :]
         fix_seed_axis(reverse)

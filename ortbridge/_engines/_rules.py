@@ -23,7 +23,8 @@ published OCR model's 14 depthwise convolutions 2,659 nodes forward and
 about 40,000 backward (minutes of graph building and session creation).
 Another writes the ``ConvTranspose`` of Conv's and the pools' input gradients
 with explicit pads, which onnx's shape inference gets right
-(:func:`_explicit_transposes`).
+(:func:`_explicit_transposes`). And ``com.microsoft`` ``QuickGelu`` (a SiLU
+fused by :mod:`._fused_activations`) gets a rule of its own.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def own_rules(model: onnx.ModelProto | None = None):
 
     table = rules.REVERSE
     saved = {op: table[op] for op in _WRAPPERS if op in table}
+    # QuickGelu (a fused SiLU, :mod:`._fused_activations`): onnx-ad has no
+    # rule; its elementwise machinery takes the derivative below.
+    added = "QuickGelu" not in table
+    if added:
+        table["QuickGelu"] = rules._elementwise_reverse
+        rules.DERIVATIVE["QuickGelu"] = _d_quick_gelu
     unmasked = _unmasked_softmaxes(model) if model is not None else set()
     for op, original in saved.items():
         wrapper = _WRAPPERS[op]
@@ -57,6 +64,18 @@ def own_rules(model: onnx.ModelProto | None = None):
         yield
     finally:
         table.update(saved)
+        if added:
+            del table["QuickGelu"], rules.DERIVATIVE["QuickGelu"]
+
+
+def _d_quick_gelu(ctx, node, x, y, dtype):
+    # y = x s, s = sigmoid(alpha x): y' = s (1 + alpha x (1 - s)), from x alone
+    alpha = next((a.f for a in node.attribute if a.name == "alpha"), 1.702)
+    b = ctx.b
+    ax = b.op("Mul", [x, ctx.constant(alpha, dtype)])
+    s = b.op("Sigmoid", [ax])
+    gain = b.op("Mul", [ax, b.op("Sub", [ctx.constant(1.0, dtype), s])])
+    return b.op("Mul", [s, b.op("Add", [ctx.constant(1.0, dtype), gain])])
 
 
 def _softmax(ctx, node, grads, original, unmasked=frozenset()):

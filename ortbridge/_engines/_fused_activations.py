@@ -1,14 +1,17 @@
-"""The exact GELU spelled out in standard ops, as one ``com.microsoft`` ``Gelu`` node.
+"""Activations spelled out in standard ops, as one ``com.microsoft`` kernel each.
 
 Exporters below opset 20 write ``nn.GELU()`` as
 ``0.5 * x * (1 + Erf(x / sqrt(2)))`` (TorchScript: ``Div``, ``Erf``, ``Add``,
-``Mul``, ``Mul``). Differentiated node by node, the backward reads four of
-those tensors, each the size of the activation, where torch keeps the input
-only; the forward runs five kernels. onnxruntime's ``Gelu`` contrib kernel
-(float, in every build, CPU and CUDA) computes the same function in one;
-onnx-ad's rule for ``Gelu`` (by op type, the exact form: the contrib op has
-no ``approximate``) gives its derivative from the input alone, so the
-forward saves ``x`` only.
+``Mul``, ``Mul``), and ``nn.SiLU()`` as ``x * Sigmoid(x)``. Differentiated
+node by node, the backward reads the intermediates, each the size of the
+activation (four for a GELU, two for a SiLU), where torch keeps the input
+only; the forward runs a kernel per node. onnxruntime's contrib kernels
+(float, in every build, CPU and CUDA) compute each in one: ``Gelu`` (the
+exact form) and ``QuickGelu`` (``x * Sigmoid(alpha * x)``, a SiLU with
+``alpha = 1``). onnx-ad's rule for ``Gelu`` (by op type; the contrib op has no
+``approximate``) and ortbridge's for ``QuickGelu``
+(:mod:`._rules`) give the derivative from the input alone, so the forward
+saves ``x`` only.
 
 Matched where each intermediate has one reader and is no graph output, the
 constants are sqrt(2) (or its inverse as a ``Mul``), 1 and 0.5 to float32
@@ -26,10 +29,10 @@ _MS = "com.microsoft"
 _TOLERANCE = 1e-6
 
 
-def fused_gelus(model: onnx.ModelProto) -> int:
-    """Rewrite ``model``'s spelled-out exact GELUs in place; how many were fused."""
+def fused_activations(model: onnx.ModelProto) -> int:
+    """Rewrite ``model``'s spelled-out GELUs and SiLUs in place; how many were fused."""
     graph = model.graph
-    if not any(n.op_type == "Erf" for n in graph.node):
+    if not any(n.op_type in ("Erf", "Sigmoid") for n in graph.node):
         return 0
     constants = {i.name: i for i in graph.initializer}
     for node in graph.node:
@@ -43,24 +46,30 @@ def fused_gelus(model: onnx.ModelProto) -> int:
     outputs = {o.name for o in graph.output}
     types, shapes = _float_types(model)
     replaced: dict[int, onnx.NodeProto | None] = {}  # id(node) -> its replacement or None
-    for erf in graph.node:
-        if erf.op_type != "Erf" or erf.domain:
+    for anchor in graph.node:
+        if anchor.domain:
             continue
-        match = _match(erf, producer, readers, outputs, constants)
+        if anchor.op_type == "Erf":
+            match = _match(anchor, producer, readers, outputs, constants)
+            op, attrs = "Gelu", {}
+        elif anchor.op_type == "Sigmoid":
+            match = _match_silu(anchor, readers, outputs)
+            op, attrs = "QuickGelu", {"alpha": 1.0}
+        else:
+            continue
         if match is None or types.get(match[0]) != onnx.TensorProto.FLOAT:
             continue
         x, nodes = match
         if any(id(n) in replaced for n in nodes):
             continue
         last = nodes[-1]
-        fused = helper.make_node(
-            "Gelu", [x], [last.output[0]], name=f"{last.name or last.output[0]}/gelu", domain=_MS
-        )
+        name = f"{last.name or last.output[0]}/{op.lower()}"
+        fused = helper.make_node(op, [x], [last.output[0]], name=name, domain=_MS, **attrs)
         for n in nodes:
             replaced[id(n)] = None
         replaced[id(last)] = fused
-        # onnx's shape inference does not know the contrib op: what it
-        # returns is declared (x's type and shape).
+        # onnx's shape inference does not know the contrib ops: what they
+        # return is declared (x's type and shape).
         declared = onnx.ValueInfoProto()
         declared.CopyFrom(shapes[x]) if x in shapes else declared.type.tensor_type.SetInParent()
         declared.name = last.output[0]
@@ -79,6 +88,18 @@ def fused_gelus(model: onnx.ModelProto) -> int:
     if not any(o.domain == _MS for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(_MS, 1))
     return sum(1 for n in replaced.values() if n is not None)
+
+
+def _match_silu(sigmoid, readers, outputs):
+    """``(x, nodes)`` of ``x * Sigmoid(x)`` around ``sigmoid``; or None."""
+    x, s = sigmoid.input[0], sigmoid.output[0]
+    found = readers.get(s, [])
+    if len(found) != 1 or s in outputs:
+        return None
+    (product,) = found
+    if product.op_type != "Mul" or product.domain or sorted(product.input) != sorted([x, s]):
+        return None
+    return x, [sigmoid, product]
 
 
 def _match(erf, producer, readers, outputs, constants):
@@ -151,11 +172,15 @@ def _float_types(model: onnx.ModelProto) -> tuple[dict, dict]:
     return types, infos
 
 
-def declare_gelu_outputs(source: onnx.ModelProto, target: onnx.ModelProto) -> None:
-    """Copy ``source``'s declarations of its fused GELUs' outputs into ``target``
-    (onnx-ad's reverse model leaves them out, and onnx's shape inference
-    cannot give them)."""
-    outputs = {n.output[0] for n in target.graph.node if n.op_type == "Gelu" and n.domain == _MS}
+def declare_fused_outputs(source: onnx.ModelProto, target: onnx.ModelProto) -> None:
+    """Copy ``source``'s declarations of its fused activations' outputs into
+    ``target`` (onnx-ad's reverse model leaves them out, and onnx's shape
+    inference cannot give them)."""
+    outputs = {
+        n.output[0]
+        for n in target.graph.node
+        if n.op_type in ("Gelu", "QuickGelu") and n.domain == _MS
+    }
     if not outputs:
         return
     known = {vi.name for vi in target.graph.value_info}
