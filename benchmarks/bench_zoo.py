@@ -75,8 +75,9 @@ def _step(net, inputs):
     sum(o.float().square().sum() for o in out if o.is_floating_point()).backward()
 
 
-def _profile(layer, inputs, steps=3) -> dict:
-    """Milliseconds per step by op type in the onnxruntime engine's sessions."""
+def _profile(layer, inputs, steps=5) -> dict:
+    """Milliseconds per step by op type in the onnxruntime engine's sessions: each
+    node's median over the steps after the first (which allocates), summed."""
     folder = tempfile.mkdtemp()
     options = _ort.runtime().SessionOptions()
     options.enable_profiling = True
@@ -85,15 +86,19 @@ def _profile(layer, inputs, steps=3) -> dict:
                                     session_options=options).eval()  # fmt: skip
     for _ in range(steps + 1):
         _step(profiled, inputs)
-    by_op: dict = collections.Counter()
     for graph in profiled._bridge._gradient_graphs.values():
         for session in graph.sessions:
             session.end_profiling()
+    runs: dict = collections.defaultdict(list)
     for path in glob.glob(os.path.join(folder, "*.json")):
         with open(path) as f:
             for event in json.load(f):
                 if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-                    by_op[event["args"].get("op_name", "?")] += event["dur"] / 1e3 / (steps + 1)
+                    key = (path, event["args"].get("op_name", "?"), event["name"])
+                    runs[key].append(event["dur"] / 1e3)
+    by_op: dict = collections.Counter()
+    for (_, op, _), ms in runs.items():
+        by_op[op] += statistics.median(ms[1:] or ms)
     return dict(by_op.most_common(12))
 
 

@@ -9,6 +9,7 @@ gradients flow).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import os
 
 import numpy as np
@@ -171,16 +172,32 @@ def _gradient_reachable(
 
 
 def _topological(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """Nodes in an order where producers come first (exporters usually comply)."""
+    """Nodes in an order where producers come first (exporters usually comply);
+    among the nodes ready at a time, file order. Linear in the graph's size (a
+    scan per round took 0.6 s of MobileViT's construction)."""
     produced = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
-    remaining, ordered = list(graph.node), []
-    while remaining:
-        ready = [n for n in remaining if all(i in produced for i in n.input)]
-        if not ready:  # inputs from an outer scope or a cycle: keep file order
-            ordered.extend(remaining)
-            break
-        for node in ready:
-            produced.update(node.output)
-        ordered.extend(ready)
-        remaining = [n for n in remaining if all(n is not r for r in ready)]
+    nodes = list(graph.node)
+    unmet = []
+    waiting: dict[str, list[int]] = {}
+    ready: list[int] = []
+    for index, node in enumerate(nodes):
+        missing = {i for i in node.input if i not in produced}
+        unmet.append(len(missing))
+        for name in missing:
+            waiting.setdefault(name, []).append(index)
+        if not missing:
+            ready.append(index)
+    heapq.heapify(ready)
+    ordered, done = [], set()
+    while ready:
+        index = heapq.heappop(ready)
+        ordered.append(nodes[index])
+        done.add(index)
+        for name in nodes[index].output:
+            for reader in waiting.pop(name, ()):
+                unmet[reader] -= 1
+                if unmet[reader] == 0:
+                    heapq.heappush(ready, reader)
+    # inputs from an outer scope or a cycle: the rest in file order
+    ordered.extend(node for index, node in enumerate(nodes) if index not in done)
     return ordered
