@@ -80,6 +80,7 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
         "available": list(ort.get_available_providers()),
         "onnxruntime": ort.__version__,
     }
+    info["cuda"] = _cuda(torch, info["providers"]["available"])
     info["initializers"] = [
         {
             "name": name,
@@ -101,6 +102,34 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
         report = gradcheck(module.eval(), *_random_inputs(summary.inputs))
         info["check"] = {**dataclasses.asdict(report), "passed": report.passed}
     return info
+
+
+def _cuda(torch, available: list[str]) -> dict:
+    """Whether onnxruntime's CUDA provider suits torch's CUDA, and if not what to install."""
+    found, built_for = _ort.build()
+    provider = "CUDAExecutionProvider" in available
+    torch_cuda = torch.version.cuda
+    # Same major version: the provider loads the CUDA libraries torch's wheels bring.
+    match = bool(provider and built_for and torch_cuda) and (
+        built_for.split(".")[0] == torch_cuda.split(".")[0]
+    )
+    hint = None if match else _ort.cuda_hint()
+    if match:
+        text = (
+            f"{found} is built for CUDA {built_for}, torch {torch.__version__} for CUDA "
+            f"{torch_cuda}: they match"
+        )
+    elif not provider:
+        text = f"{found} has no CUDAExecutionProvider; {hint}"
+    else:
+        text = f"{found} is built for CUDA {built_for or '(not recorded)'}; {hint}"
+    return {
+        "torch": torch_cuda,
+        "onnxruntime": built_for,
+        "provider": provider,
+        "install": hint,
+        "text": text,
+    }
 
 
 def _op_types(model: onnx.ModelProto) -> collections.Counter:
@@ -185,6 +214,7 @@ def _print_text(info: dict, out) -> None:
         f"{providers['onnxruntime']} has {', '.join(providers['available'])})",
         file=out,
     )
+    print(f"cuda: {info['cuda']['text']}", file=out)
     training = info["training"]
     verdict = "a gradient graph can be built" if training["ok"] else "no gradient graph: "
     print(f"training: {verdict}{training['error'] or ''}", file=out)

@@ -16,7 +16,7 @@ from torch.utils.dlpack import to_dlpack
 from . import _ort
 from ._ort_errors import load_error, translate
 from ._threads import UNPINNED, start_pinned
-from .exceptions import OnnxModelError, OrtBridgeError
+from .exceptions import MissingDependencyError, OnnxModelError, OrtBridgeError
 
 _CAPI = None
 
@@ -205,6 +205,19 @@ def _needs_basic_level(model: onnx.ModelProto) -> bool:
     return bool(doubles) or any(init.data_type == 11 for init in model.graph.initializer)
 
 
+_CUDA = "CUDAExecutionProvider"
+
+
+def _no_cuda_provider(device: torch.device, problem: str) -> MissingDependencyError:
+    """The error for a session on a CUDA device that onnxruntime would run on the CPU."""
+    found, built_for = _ort.build()
+    if built_for:
+        found += f" (built for CUDA {built_for})"
+    return MissingDependencyError(
+        f"onnxruntime cannot run on {device}: {found} {problem}; {_ort.cuda_hint()}"
+    )
+
+
 def _session(model, device, session_options, providers, spin_within_runs=False):
     """A session, and the pinning of its workers (None: left to the system).
 
@@ -223,16 +236,24 @@ def _session(model, device, session_options, providers, spin_within_runs=False):
     def create(options, own=True):
         if basic and own:  # a user's options are theirs: never changed
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        chosen = providers_for(device, providers)
+        cuda = _CUDA in (p if isinstance(p, str) else p[0] for p in chosen)
+        if cuda and _CUDA not in ort.get_available_providers():
+            raise _no_cuda_provider(device, f"has no {_CUDA}")
         try:
-            return ort.InferenceSession(
-                model_bytes,
-                options,
-                providers=providers_for(device, providers),
-                disabled_optimizers=disabled or None,
+            session = ort.InferenceSession(
+                model_bytes, options, providers=chosen, disabled_optimizers=disabled or None
             )
         except Exception as exc:
             graph = model if isinstance(model, onnx.ModelProto) else None
             raise load_error(exc, graph, "the graph") from exc
+        # Where the provider's CUDA libraries do not load, onnxruntime logs it
+        # and builds the session for the CPU alone: said here, with the fix.
+        if cuda and _CUDA not in session.get_providers():
+            raise _no_cuda_provider(
+                device, f"could not start its {_CUDA} (its CUDA or cuDNN libraries did not load)"
+            )
+        return session
 
     if session_options is not None:
         return create(session_options, own=False), None

@@ -8,12 +8,13 @@ import json
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 import torch
 from onnx import TensorProto, helper
 from test_errors import _mod_model
 
-from ortbridge import OnnxModule
+from ortbridge import OnnxModule, _ort
 from ortbridge.__main__ import main
 from ortbridge._demo import run_demo
 from ortbridge._examples import linear_model
@@ -141,6 +142,48 @@ def test_inspect_lists_op_types_engine_and_providers(tmp_path, capsys):
     onnx.save(named, str(path))
     assert main(["inspect", str(path)]) == 0
     assert "rewrites before onnxruntime sees the graph: none\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("torch_cuda", "provider", "built_for", "says"),
+    [
+        (None, False, None, "onnxruntime 1.31.1 has no CUDAExecutionProvider; torch {torch} is a "
+         "CPU build (torch.version.cuda is None): to run on a GPU, install a CUDA build"),
+        ("12.8", False, None, "onnxruntime 1.31.1 has no CUDAExecutionProvider; torch {torch} is "
+         "built for CUDA 12.8: `pip install onnxruntime-gpu==1.26.0`"),
+        ("12.8", True, "13.0", "onnxruntime-gpu 1.31.1 is built for CUDA 13.0; torch {torch} is "
+         "built for CUDA 12.8: `pip install onnxruntime-gpu==1.26.0`"),
+        ("11.8", True, "13.0", "onnxruntime-gpu 1.31.1 is built for CUDA 13.0; torch {torch} is "
+         'built for CUDA 11.8: `pip install "ortbridge[cuda]"`'),
+        ("13.0", True, "13.0", "onnxruntime-gpu 1.31.1 is built for CUDA 13.0, torch {torch} for "
+         "CUDA 13.0: they match"),
+    ],
+    ids=["cpu-torch", "cpu-onnxruntime", "cuda12-torch", "cuda11.8-torch", "matching"],
+)  # fmt: skip
+def test_inspect_says_which_onnxruntime_suits_torchs_cuda(
+    tmp_path, capsys, monkeypatch, torch_cuda, provider, built_for, says
+):
+    """Found (torch's CUDA version, onnxruntime's package, provider and CUDA build)
+    and wanted (the package for torch's CUDA), without a GPU: both substituted."""
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    package = "onnxruntime-gpu 1.31.1" if provider else "onnxruntime 1.31.1"
+    monkeypatch.setattr(_ort, "build", lambda: (package, built_for))
+    available = ["CUDAExecutionProvider"] * provider + ["CPUExecutionProvider"]
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: available)
+    path = tmp_path / "linear.onnx"
+    onnx.save(linear_model(3, 2), str(path))
+    assert main(["inspect", str(path)]) == 0
+    says = says.format(torch=torch.__version__)
+    assert f"\ncuda: {says}" in capsys.readouterr().out
+    assert main(["inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["cuda"]
+    assert info["text"].startswith(says)
+    assert (info["torch"], info["provider"], info["onnxruntime"]) == (
+        torch_cuda,
+        provider,
+        built_for,
+    )
+    assert info["install"] == (None if says.endswith("they match") else _ort.cuda_hint())
 
 
 def _rewritten_model(opset: int):

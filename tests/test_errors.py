@@ -10,7 +10,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortbridge import OnnxModule, OrtBridgeError
+from ortbridge import OnnxModule, OrtBridgeError, _ort
 from ortbridge._examples import linear_model
 from ortbridge._onnx_utils import make_model
 from ortbridge.exceptions import (
@@ -130,6 +130,29 @@ def test_missing_onnxruntime_says_what_to_install():
     assert out.stdout.startswith("MissingDependencyError")
     assert "ortbridge[ort]" in out.stdout and "ortbridge[cpu]" in out.stdout
     assert issubclass(MissingDependencyError, ImportError)
+
+
+@pytest.mark.parametrize(
+    ("cuda", "hip", "wanted"),
+    [
+        ("13.0", None, '`pip install "ortbridge[ort-gpu]"` (onnxruntime-gpu 1.31.1, built for'),
+        ("12.8", None, "`pip install onnxruntime-gpu==1.26.0` (the last onnxruntime-gpu built"),
+        ("12.1", None, "`pip install onnxruntime-gpu==1.26.0`"),
+        ("11.8", None, '`pip install "ortbridge[cuda]"` (onnxruntime-training 1.19.2, built'),
+        ("10.2", None, "no onnxruntime package matches: install a torch built for CUDA 13"),
+        (None, None, "is a CPU build (torch.version.cuda is None): to run on a GPU, install"),
+        (None, "6.4", "is a ROCm build (torch.version.cuda is None): to run on a GPU, install"),
+    ],
+    ids=["cuda13", "cuda12.8", "cuda12.1", "cuda11.8", "cuda10", "cpu-torch", "rocm-torch"],
+)
+def test_cuda_hint_names_the_package_for_torchs_cuda(monkeypatch, cuda, hip, wanted):
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    hint = _ort.cuda_hint()
+    assert hint.startswith(f"torch {torch.__version__} is ")
+    assert wanted in hint
+    if cuda:
+        assert f"is built for CUDA {cuda}" in hint
 
 
 def test_aten_node_is_refused_with_its_name():

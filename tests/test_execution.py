@@ -11,11 +11,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortbridge import OnnxModule
+from ortbridge import OnnxModule, _ort
 from ortbridge._engines import _onnxruntime
 from ortbridge._examples import linear_model
 from ortbridge._onnx_utils import make_model
-from ortbridge._runtime import current_stream, providers_for
+from ortbridge._runtime import _session, current_stream, providers_for
+from ortbridge.exceptions import MissingDependencyError
 
 # Every test here runs on each engine installed (see conftest).
 pytestmark = pytest.mark.usefixtures("backend")
@@ -392,8 +393,15 @@ no_cuda_provider = pytest.mark.skipif(
 @pytest.fixture
 def cuda_streams(monkeypatch):
     """torch's current CUDA stream made settable (``streams["now"]``, a handle per
-    device index), and the providers every new onnxruntime session is asked for."""
-    streams = {"now": 0x1000, "asked": []}
+    device index), and the providers every new onnxruntime session is asked for.
+
+    onnxruntime claims a CUDA provider (``streams["available"]``) and a session
+    reports the providers it was asked for as started (``streams["started"]``,
+    when None): ortbridge's refusal of a session on the CPU for a CUDA device
+    is tested by setting these; the sessions still run on the CPU.
+    """
+    streams = {"now": 0x1000, "asked": [], "started": None}
+    streams["available"] = ["CUDAExecutionProvider", *onnxruntime.get_available_providers()]
 
     def current_stream(device=None):
         streams["asked"].append(device)
@@ -402,10 +410,15 @@ def cuda_streams(monkeypatch):
     class Recording(onnxruntime.InferenceSession):
         def __init__(self, *args, providers=None, **kwargs):
             streams.setdefault("providers", []).append(providers)
+            self._asked = [p if isinstance(p, str) else p[0] for p in providers]
             super().__init__(*args, providers=providers, **kwargs)
+
+        def get_providers(self):
+            return streams["started"] or self._asked
 
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     monkeypatch.setattr(onnxruntime, "InferenceSession", Recording)
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: streams["available"])
     return streams
 
 
@@ -471,6 +484,37 @@ def test_each_cuda_stream_gets_its_own_sessions(cuda_streams):
             assert name == "CUDAExecutionProvider"
             assert options == {"device_id": "1", "user_compute_stream": str(handle + 1)}
     assert all(g is not h for g, h in zip(built[0x1000], built[0x2000]))
+
+
+@no_cuda_provider
+@pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider'")
+@pytest.mark.parametrize("cause", ["not-in-build", "libraries-not-loaded"])
+def test_cuda_session_without_cuda_provider_names_the_package(cuda_streams, monkeypatch, cause):
+    """A session for a CUDA device that onnxruntime would run on the CPU is refused,
+    naming the onnxruntime found and the package for torch's CUDA version: one
+    without the CUDA provider (the CPU package), or one whose provider did not
+    start (onnxruntime-gpu beside a torch of another CUDA major version)."""
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    found, _ = _ort.build()
+    if cause == "not-in-build":
+        cuda_streams["available"] = ["CPUExecutionProvider"]
+        problem = "has no CUDAExecutionProvider"
+    else:
+        cuda_streams["started"] = ["CPUExecutionProvider"]
+        problem = (
+            "could not start its CUDAExecutionProvider (its CUDA or cuDNN libraries did not load)"
+        )
+    with pytest.raises(MissingDependencyError) as info:
+        _session(linear_model(3, 2), torch.device("cuda", 1), None, None)
+    message = str(info.value)
+    assert message.startswith(f"onnxruntime cannot run on cuda:1: {found}")
+    assert f"{problem}; torch {torch.__version__} is built for CUDA 12.8: " in message
+    assert "`pip install onnxruntime-gpu==1.26.0`" in message
+    # The provider not in the build is refused before a session is made.
+    assert len(cuda_streams.get("providers", [])) == (cause != "not-in-build")
+    # A CPU session asks for no CUDA provider: nothing to refuse.
+    cuda_streams["available"] = ["CPUExecutionProvider"]
+    assert _session(linear_model(3, 2), CPU, None, None)[0] is not None
 
 
 def test_providers_given_reach_every_session(cuda_streams):
