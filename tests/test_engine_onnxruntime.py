@@ -200,6 +200,31 @@ def test_conv_weight_gradient_by_im2col_matches_torch(c_in, stride, padding, bat
 
 
 @needs_engine
+@pytest.mark.parametrize(
+    "kernel, stride, padding, dilation, as_conv",
+    [(3, 1, 1, 1, True), (3, 1, 0, 2, True), (3, 2, 1, 1, False), (5, 1, 2, 1, False)],
+    ids=["3x3", "3x3-dilated", "3x3-strided", "5x5"],
+)
+def test_depthwise_input_gradient_of_stride_one_is_a_depthwise_conv(
+    kernel, stride, padding, dilation, as_conv
+):
+    """A depthwise 3x3 of stride 1: its input gradient runs as the depthwise Conv
+    with the flipped kernel (onnxruntime's depthwise ConvTranspose is slower);
+    strided or larger kernels keep the ConvTranspose; torch's gradients."""
+    torch.manual_seed(kernel)
+    model = nn.Sequential(
+        nn.Conv2d(6, 6, kernel, stride=stride, padding=padding, dilation=dilation, groups=6),
+        nn.Tanh(),
+    )
+    x = torch.randn(3, 6, 9, 8)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    _compare(model, layer, x)
+    graph = layer._bridge.gradient_graph("train", [True] * 3, x.device, [x])
+    ops = [n.op_type for n in graph.static_built([x]).split.backward.graph.node]
+    assert ("ConvTranspose" not in ops) == as_conv, ops
+
+
+@needs_engine
 def test_large_kernel_of_few_filters_keeps_one_convolution_for_its_weight_gradient():
     """A stem's 7x7 kernel over 3 channels into 8 filters: im2col by one-hot
     kernels would cost 64 products a window element against the 8 of the
