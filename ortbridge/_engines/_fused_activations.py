@@ -44,16 +44,22 @@ def fused_activations(model: onnx.ModelProto) -> int:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in graph.output}
+
+    def only_reader(name):
+        """The one node reading ``name``, which no graph output is; else None."""
+        found = readers.get(name, [])
+        return found[0] if len(found) == 1 and name not in outputs else None
+
     types, shapes = _float_types(model)
     replaced: dict[int, onnx.NodeProto | None] = {}  # id(node) -> its replacement or None
     for anchor in graph.node:
         if anchor.domain:
             continue
         if anchor.op_type == "Erf":
-            match = _match(anchor, producer, readers, outputs, constants)
+            match = _match_gelu(anchor, producer, only_reader, constants)
             op, attrs = "Gelu", {}
         elif anchor.op_type == "Sigmoid":
-            match = _match_silu(anchor, readers, outputs)
+            match = _match_silu(anchor, only_reader)
             op, attrs = "QuickGelu", {"alpha": 1.0}
         else:
             continue
@@ -71,7 +77,8 @@ def fused_activations(model: onnx.ModelProto) -> int:
         # onnx's shape inference does not know the contrib ops: what they
         # return is declared (x's type and shape).
         declared = onnx.ValueInfoProto()
-        declared.CopyFrom(shapes[x]) if x in shapes else declared.type.tensor_type.SetInParent()
+        if x in shapes:
+            declared.CopyFrom(shapes[x])
         declared.name = last.output[0]
         declared.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
         graph.value_info.append(declared)
@@ -90,26 +97,17 @@ def fused_activations(model: onnx.ModelProto) -> int:
     return sum(1 for n in replaced.values() if n is not None)
 
 
-def _match_silu(sigmoid, readers, outputs):
+def _match_silu(sigmoid, only_reader):
     """``(x, nodes)`` of ``x * Sigmoid(x)`` around ``sigmoid``; or None."""
     x, s = sigmoid.input[0], sigmoid.output[0]
-    found = readers.get(s, [])
-    if len(found) != 1 or s in outputs:
+    product = only_reader(s)
+    if product is None or product.op_type != "Mul" or product.domain:
         return None
-    (product,) = found
-    if product.op_type != "Mul" or product.domain or sorted(product.input) != sorted([x, s]):
-        return None
-    return x, [sigmoid, product]
+    return (x, [sigmoid, product]) if sorted(product.input) == sorted([x, s]) else None
 
 
-def _match(erf, producer, readers, outputs, constants):
+def _match_gelu(erf, producer, only_reader, constants):
     """``(x, nodes)`` of the GELU around ``erf``, nodes in graph order of use; or None."""
-
-    def only_reader(name):
-        found = readers.get(name, [])
-        if len(found) != 1 or name in outputs:
-            return None
-        return found[0]
 
     def other(node, name):
         if len(node.input) != 2 or node.domain:

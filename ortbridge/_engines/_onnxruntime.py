@@ -113,42 +113,53 @@ class OrtGradientGraph:
         self._built = None
         n = self.n_inputs
         if tensors is not None and all(t is not None for t in tensors[:n]):
-            # A call: the graphs for its shapes are the ones that run first
-            # (the shape-generic ones where those cannot be built).
-            try:
-                first = self.static_built(tensors)
-            except OrtBridgeError:
-                first = self._generic()
-                if first is None:
-                    raise
-                key = tuple(tuple(t.shape) for t in tensors[:n])
-                self._by_shape[key] = first
+            # A call: the graphs for its shapes are the ones that run first.
+            first = self._static_or_generic(tuple(tuple(t.shape) for t in tensors[:n]))
         else:
             # Before any call (the construction's check): only that the graph
             # can be differentiated, on the shape-generic graph or a stand-in;
             # the graphs that run are built for the first call's shapes.
-            first = self._checked(model)
+            first = self._checked()
         self.n_user_outputs = first.n_user_outputs
         self.non_differentiable = first.non_differentiable
         self.full_shape = set(range(self.n_user_outputs))
 
-    def _checked(self, model):
+    def _checked(self):
         """A check that the graph can be differentiated: the reverse pass alone,
-        shape-generic, or for dynamic dimensions of 2, or of
-        :data:`STAND_IN_LARGE` where 2 fails (a patch-embedding Conv's kernel
-        and stride of 4 leave nothing of 2 pixels); the error of the larger size
-        if both fail."""
+        shape-generic or on a stand-in (:meth:`_on_stand_in`)."""
         try:
             return _Built(*self._args, self._batch_norms, check_only=True)
         except _NeedsStaticShapes:
             self._built = False
+        return self._on_stand_in(
+            lambda shapes: _Built(*self._args, self._batch_norms, static=shapes, check_only=True)
+        )
+
+    def _on_stand_in(self, build):
+        """``build(shapes)`` for dynamic dimensions of 2, or of
+        :data:`STAND_IN_LARGE` where 2 fails (a patch-embedding Conv's kernel
+        and stride of 4 leave nothing of 2 pixels); the error of the larger
+        size if both fail."""
         for size in (2, STAND_IN_LARGE):
-            shapes = _stand_in_shapes(model, self.n_inputs, size)
+            shapes = _stand_in_shapes(self._args[0], self.n_inputs, size)
             try:
-                return _Built(*self._args, self._batch_norms, static=shapes, check_only=True)
+                return build(shapes)
             except OrtBridgeError:
                 if size == STAND_IN_LARGE:
                     raise
+
+    def _static_or_generic(self, key: tuple) -> _Built:
+        """The graphs for input shapes ``key``, or the shape-generic ones (then
+        kept for ``key``) where those cannot be built; the static error where
+        the graph has no shape-generic form."""
+        try:
+            return self._for_shapes(key)
+        except OrtBridgeError:
+            generic = self._generic()
+            if generic is None:
+                raise
+            self._by_shape[key] = generic
+            return generic
 
     def _generic(self):
         """The shape-generic graphs, built on first use; None where the graph
@@ -167,16 +178,7 @@ class OrtGradientGraph:
         if self._by_shape:
             return next(iter(self._by_shape.values()))
         generic = self._generic()
-        if generic is not None:
-            return generic
-        model = self._args[0]
-        for size in (2, STAND_IN_LARGE):
-            shapes = _stand_in_shapes(model, self.n_inputs, size)
-            try:
-                return self._for_shapes(shapes)
-            except OrtBridgeError:
-                if size == STAND_IN_LARGE:
-                    raise
+        return generic if generic is not None else self._on_stand_in(self._for_shapes)
 
     @property
     def save_outputs(self) -> list:
@@ -222,17 +224,9 @@ class OrtGradientGraph:
             # shapes onnx-ad knows which axes a broadcast sums over, where
             # the shape-generic graph computes and reduces them at run time.
             if self._built is False or len(self._by_shape) < SPECIALISED_SHAPES:
-                try:
-                    built = self.static_built(tensors)
-                except OrtBridgeError:  # the shape-generic graph may still run it
-                    built = self._generic()
-                    if built is None:
-                        raise
-                    self._by_shape[key] = built
+                built = self._static_or_generic(key)
             else:
-                built = self._generic()
-                if built is None:
-                    built = self.static_built(tensors)
+                built = self._generic() or self._for_shapes(key)
             if built is self._built:
                 self._generic_used = True
         outputs, residuals = built.forward(tensors)
