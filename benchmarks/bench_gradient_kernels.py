@@ -1,7 +1,8 @@
 """Forward + backward in onnxruntime: the builder's graph against ortbridge's rewrite.
 
 onnxruntime's CPU ``ReluGrad`` kernel is slow; ortbridge rewrites it into
-``Greater`` + ``Cast`` + ``Mul`` (``ortbridge/_gradient_rewrites.py``). This script
+``Greater`` + ``Cast`` + ``Mul``
+(``ortbridge/_engines/training_agent/_gradient_rewrites.py``). This script
 times, interleaved in one process, one forward + backward of each model's
 gradient graph through the TrainingAgent, three ways: the graph as
 onnxruntime's builder writes it, the graph ortbridge runs, and torch eager's
@@ -33,21 +34,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _models  # noqa: E402
 
-from ortbridge import OnnxModule, _runtime  # noqa: E402
-from ortbridge._ort import capi  # noqa: E402
+from ortbridge import OnnxModule
+from ortbridge._engines.training_agent import _engine as agent_engine  # noqa: E402
+from ortbridge._runtime._ort import capi  # noqa: E402
+from ortbridge._runtime._runs import to_ortvalues  # noqa: E402
+from ortbridge._runtime._sessions import default_session_options  # noqa: E402
 
 CPU = torch.device("cpu")
 
 
 def gradient_graph(proto, x, rewrite: bool, profile_prefix=None):
     """The TrainingAgent graph of every weight, with or without the rewrite."""
-    options = _runtime.default_session_options(CPU)
+    options = default_session_options(CPU)
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
-    rewriter = _runtime.rewrite_gradient if rewrite else (lambda model, device_type: {})
-    # OnnxModule builds its first gradient graph when constructed: patch both.
-    with mock.patch.object(_runtime, "rewrite_gradient", rewriter):
+    rewriter = agent_engine.rewrite_gradient if rewrite else (lambda model, device_type: {})
+    # The agent's engine applies the rewrite where it builds the gradient graph.
+    with mock.patch.object(agent_engine, "rewrite_gradient", rewriter):
         layer = OnnxModule(proto, session_options=options)
         needs = [False] * len(layer.input_names) + [True] * len(layer._weight_names)
         graph = layer._bridge.gradient_graph("train", needs, CPU)
@@ -61,9 +65,9 @@ def runner(graph, feeds, grad_output):
 
     def run():
         outputs, state = C.OrtValueVector(), C.PartialGraphExecutionState()
-        graph.agent.run_forward(_runtime.to_ortvalues(feeds), outputs, state, None)
+        graph.agent.run_forward(to_ortvalues(feeds), outputs, state, None)
         grads = C.OrtValueVector()
-        graph.agent.run_backward(_runtime.to_ortvalues([grad_output]), grads, state)
+        graph.agent.run_backward(to_ortvalues([grad_output]), grads, state)
         return grads
 
     return run

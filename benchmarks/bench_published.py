@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
 from _published import CORPUS, HELD_OUT, fetch  # noqa: E402
 
 import ortbridge  # noqa: E402
-from ortbridge import _ort  # noqa: E402
+from ortbridge._runtime import _ort  # noqa: E402
 
 TARGET_S = 20.0
 

@@ -61,7 +61,7 @@ from sklearn.neural_network import MLPRegressor
 
 import ortbridge
 from ortbridge.training import OnnxSGDRegressor, OrtFullGraphTrainer, OrtSGD
-from ortbridge.training._epoch_graph import EpochGraph
+from ortbridge.training._graphs._epoch import EpochGraph
 
 
 def parse_args(argv=None):

@@ -41,9 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _models  # noqa: E402
 
-from ortbridge import OnnxModule, _ort  # noqa: E402
-from ortbridge._runtime import from_ortvalues, to_ortvalues  # noqa: E402
-from ortbridge._threads import UNPINNED  # noqa: E402
+from ortbridge import OnnxModule
+from ortbridge._runtime import _ort  # noqa: E402
+from ortbridge._runtime._runs import from_ortvalues, to_ortvalues  # noqa: E402
+from ortbridge._runtime._threads import UNPINNED  # noqa: E402
 
 LR = 0.01
 #: Environment variables that set how long torch's OpenMP workers spin.
@@ -83,7 +84,7 @@ class RawAgentLoop:
 
     def step(self, optimizer, loss_fn, x, y, mark=None):
         """One step; ``mark(name)``, if given, is called at each hand-over (bench_step_parts)."""
-        from ortbridge._ort import capi
+        from ortbridge._runtime._ort import capi
 
         C = capi()
         mark = mark or _no_mark

@@ -32,8 +32,8 @@ import _models  # noqa: E402
 import bench_step  # noqa: E402
 
 from ortbridge import OnnxModule  # noqa: E402
-from ortbridge._ort import capi  # noqa: E402
-from ortbridge._runtime import to_ortvalues  # noqa: E402
+from ortbridge._runtime._ort import capi  # noqa: E402
+from ortbridge._runtime._runs import to_ortvalues  # noqa: E402
 
 LR = 0.01
 EAGER = [

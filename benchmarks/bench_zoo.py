@@ -47,7 +47,8 @@ sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
 from _measure import saved_bytes  # noqa: E402
 
 import ortbridge  # noqa: E402
-from ortbridge import _engines, _ort  # noqa: E402
+from ortbridge import _engines  # noqa: E402
+from ortbridge._runtime import _ort  # noqa: E402
 
 ARCHITECTURES = ["convnext", "segformer", "mobilevit", "resnet", "vit", "whisper-encoder"]
 RECOGNISER = "PP-OCRv6_rec_small"
@@ -105,24 +106,39 @@ def _profile(layer, inputs, steps=5) -> dict:
 
 #: The stages of the onnxruntime engine's build, as (label, module, function):
 #: cumulative seconds of each (stages may nest: shape inference runs inside
-#: the rewrite passes).
+#: the optimiser's passes). Each optimiser pass is a stage of its own too.
 BUILD_STAGES = [
-    ("prepare (ortbridge rewrites for onnx-ad)", "ortbridge._engines._reverse_prep", "prepare"),
+    (
+        "prepare (ortbridge rewrites for onnx-ad)",
+        "ortbridge._engines.onnxruntime._reverse_prep",
+        "prepare",
+    ),
     ("onnx-ad reverse pass", "onnx_ad.reverse", "reverse"),
-    ("optimize_reverse", "ortbridge._engines._optimize", "optimize_reverse"),
-    ("onnx-ad constant folding (inside the above)", "onnx_ad.fold", "fold_constants"),
-    ("static rewrites before the split", "ortbridge._engines._static_rewrites", "before_split"),
-    ("split in forward and backward", "ortbridge._engines._split", "split"),
-    ("static rewrites after the split", "ortbridge._engines._static_rewrites", "after_split"),
+    ("onnx-ad constant folding (inside a pass)", "onnx_ad.fold", "fold_constants"),
+    ("optimiser passes, all", "ortbridge._engines.onnxruntime.passes._pipeline", "run"),
+    ("split in forward and backward", "ortbridge._engines.onnxruntime._split", "split"),
     ("onnx shape inference (inside the above)", "onnx.shape_inference", "infer_shapes"),
-    ("session creation (forward and backward)", "ortbridge._runtime", "_session"),
+    ("session creation (forward and backward)", "ortbridge._runtime._sessions", "_session"),
 ]
+
+
+def _stage_codes() -> list:
+    """(label, code object) of every stage timed, the passes in their order."""
+    import importlib
+
+    from ortbridge._engines.onnxruntime.passes import PASSES
+
+    codes = []
+    for label, module, function in BUILD_STAGES:
+        code = getattr(importlib.import_module(module), function)
+        codes.append((label, getattr(code, "__wrapped__", code).__code__))
+    codes += [(f"  pass: {one.name}", one.call.__code__) for one in PASSES]
+    return codes
 
 
 def _build_profile(source, inputs) -> dict:
     """Seconds of construction, of the first step, and by build stage (cProfile)."""
     import cProfile
-    import importlib
     import pstats
 
     profiler = cProfile.Profile()
@@ -135,9 +151,7 @@ def _build_profile(source, inputs) -> dict:
     done = time.perf_counter()
     stats = pstats.Stats(profiler).stats
     stages = {}
-    for label, module, function in BUILD_STAGES:
-        code = getattr(importlib.import_module(module), function)
-        code = getattr(code, "__wrapped__", code).__code__
+    for label, code in _stage_codes():
         key = (code.co_filename, code.co_firstlineno, code.co_name)
         stages[label] = stats[key][3] if key in stats else 0.0
     return {"construction_s": built - start, "first_step_s": done - built, "stages_s": stages}
@@ -148,7 +162,7 @@ def _warm_imports() -> None:
     evaluator that onnx-ad folds constants with): not counted in a model's build."""
     import onnx.reference.ops  # noqa: F401
 
-    from ortbridge._examples import linear_model
+    from ortbridge.examples import linear_model
 
     for engine in _engines.installed():
         layer = ortbridge.OnnxModule(linear_model(3, 2), backend=engine)

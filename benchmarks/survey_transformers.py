@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
 from _transformers_zoo import EXPORTERS, ZOO, exported, gradient_errors  # noqa: E402
 
 import ortbridge  # noqa: E402
-from ortbridge import _engines, _ort  # noqa: E402
+from ortbridge import _engines  # noqa: E402
+from ortbridge._runtime import _ort  # noqa: E402
 from ortbridge.exceptions import NotDifferentiableError  # noqa: E402
 
 TOLERANCE = 1e-3

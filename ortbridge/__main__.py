@@ -60,14 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from ._demo import run_demo
+        from ._cli._demo import run_demo
 
         result = run_demo(args.epochs, args.output, args.seed)
         if result["accuracy"] < 0.8 or result["max_diff"] > 1e-4:
             print("demo FAILED: accuracy below 0.8 or exported model differs", file=sys.stderr)
             return 1
         return 0
-    from ._inspect import inspect_model
+    from ._cli._inspect import inspect_model
     from .exceptions import OrtBridgeError
 
     try:

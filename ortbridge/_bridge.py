@@ -10,10 +10,17 @@ from __future__ import annotations
 import onnx
 import torch
 
-from . import _call_ranks, _engines, _graph
-from ._onnx_utils import FLOAT_TYPES
-from ._runtime import InferenceGraph, current_stream
-from .exceptions import NotDifferentiableError, OnnxInputError, OnnxModelError, OrtBridgeError
+from . import _engines, _prepare
+from ._prepare import _call_ranks
+from ._prepare._onnx_utils import FLOAT_TYPES
+from ._runtime._runs import InferenceGraph
+from ._runtime._sessions import current_stream
+from .exceptions import (
+    NotDifferentiableError,
+    OnnxInputError,
+    OnnxModelError,
+    OrtBridgeError,
+)
 
 
 class Bridge:
@@ -50,7 +57,7 @@ class Bridge:
         self.providers = providers
         self.session_options = session_options
         position = {name: i for i, name in enumerate(self.feed_names)}
-        self.batch_norms = [] if frozen_batch_norm else _graph.batch_norm_nodes(model)
+        self.batch_norms = [] if frozen_batch_norm else _prepare.batch_norm_nodes(model)
         self._stat_positions = [(position[b.mean], position[b.var]) for b in self.batch_norms]
         #: Feed positions of the running statistics updated in train mode.
         self.running_stat_positions = {p for pair in self._stat_positions for p in pair}
@@ -59,7 +66,7 @@ class Bridge:
         #: once on a call's tensors (:func:`_probe`).
         self._unprobed: set = set()
         self._inference_graphs: dict = {}
-        #: Tensors whose rank only a call can tell (:mod:`._call_ranks`); the
+        #: Tensors whose rank only a call can tell (:mod:`._prepare._call_ranks`); the
         #: graphs are then built, and cached, per input ranks.
         self.unknown_ranks = [] if as_is else _call_ranks.unknown_ranks(model)
         self._ranked_models: dict = {}
@@ -70,10 +77,10 @@ class Bridge:
             copy.CopyFrom(self.model)
             return copy, []
         model = self._ranked_model(tensors) if self.unknown_ranks else self.model
-        model, extra = _graph.make_variant(
+        model, extra = _prepare.make_variant(
             model, mode, self.frozen_batch_norm, for_gradient=for_gradient
         )
-        return _graph.weights_as_inputs(model, self.weight_names), extra
+        return _prepare.weights_as_inputs(model, self.weight_names), extra
 
     def _ranked_model(self, tensors):
         """The graph with the ranks of :attr:`unknown_ranks` declared, for these inputs."""
@@ -144,7 +151,7 @@ class Bridge:
             weights = [n for n in weights if n not in zero]
         elif inputs or weights:  # every one of them: no engine has anything to do
             return _ZeroGraph(self, mode, device, tensors)
-        batch_norms = self.batch_norms if mode == _graph.TRAIN else ()
+        batch_norms = self.batch_norms if mode == _prepare.TRAIN else ()
         if self.engine == _engines.ONNXRUNTIME:
             return _engines.gradient_graph(
                 self.engine,
@@ -207,7 +214,7 @@ class Bridge:
         Dropout masks in train mode)."""
         if self.backend != _engines.AUTO or not _engines.onnxruntime_engine_available():
             return False
-        return mode == _graph.EVAL or not (self.batch_norms or getattr(graph, "draws", True))
+        return mode == _prepare.EVAL or not (self.batch_norms or getattr(graph, "draws", True))
 
     def onnxruntime_twin(self) -> Bridge:
         """A bridge over the same graph on the onnxruntime engine (made once)."""
@@ -263,7 +270,7 @@ class Bridge:
             from ._function import make_function
 
             function = self.function = make_function(self.model.graph.name or "reverse")
-        return function.apply(self, _graph.EVAL, *tensors)
+        return function.apply(self, _prepare.EVAL, *tensors)
 
     def inference_graph(self, mode: str, device: torch.device, tensors=None) -> InferenceGraph:
         key = (mode, device, current_stream(device))
@@ -273,7 +280,7 @@ class Bridge:
         if graph is None:
             model, _ = self._variant(mode, for_gradient=False, tensors=tensors)
             graph = InferenceGraph(
-                model, device, self.session_options, self.providers, seeded=mode == _graph.TRAIN
+                model, device, self.session_options, self.providers, seeded=mode == _prepare.TRAIN
             )
             self._inference_graphs[key] = graph
         return graph
@@ -326,13 +333,15 @@ class Bridge:
             if len(cache) > 64:  # a varying sequence length, say: keep the cache bounded
                 cache.clear()
             named = dict(zip(self.input_names, shapes))
-            counts = cache[shapes] = _graph.values_per_channel(self.model, self.batch_norms, named)
+            counts = cache[shapes] = _prepare.values_per_channel(
+                self.model, self.batch_norms, named
+            )
         return counts
 
     def run_inference(self, mode: str, tensors, device: torch.device) -> list[torch.Tensor]:
         graph = self.inference_graph(mode, device, tensors)
         outputs = graph.run(dict(zip(self.feed_names, tensors)))
-        n_user = len(outputs) - (2 * len(self.batch_norms) if mode == _graph.TRAIN else 0)
+        n_user = len(outputs) - (2 * len(self.batch_norms) if mode == _prepare.TRAIN else 0)
         self.update_running_stats(tensors, outputs[n_user:])
         return outputs[:n_user]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._graph_exporter_forms import UNKNOWN_DIM_NAMES
+from ._prepare._exporter_forms import UNKNOWN_DIM_NAMES
 from .exceptions import OnnxInputError, OnnxTypeError, OrtBridgeError
 
 #: torch dtypes of the float initializers, by numpy dtype string.

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from . import _graph
+from . import _prepare
 from .exceptions import OnnxInputError, OnnxTypeError
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ def gradcheck(
     if not isinstance(module, OnnxModule):
         raise OnnxTypeError(f"gradcheck takes an OnnxModule, got {type(module).__name__}")
     bridge = module._bridge
-    mode = _graph.TRAIN if module.training else _graph.EVAL
+    mode = _prepare.TRAIN if module.training else _prepare.EVAL
     n_in = len(bridge.input_names)
     if len(inputs) != n_in:
         raise OnnxInputError(
@@ -131,7 +131,7 @@ def gradcheck(
     weights = module._weights()
     tensors = [torch.as_tensor(t) for t in inputs] + list(weights)
     model, _ = bridge._variant(mode, for_gradient=False, tensors=tensors)
-    if mode == _graph.TRAIN and any(n.op_type == "Dropout" for n in model.graph.node):
+    if mode == _prepare.TRAIN and any(n.op_type == "Dropout" for n in model.graph.node):
         raise OnnxInputError(
             "gradcheck needs a deterministic graph, and a Dropout in train mode draws a new "
             "mask at every run: call module.eval() first"

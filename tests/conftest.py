@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from ortbridge import OnnxModule, _engines, _ort
+from ortbridge import OnnxModule, _engines
+from ortbridge._runtime import _ort
 
 #: Engines this environment runs: the training agent only with the training build.
 ENGINES = _engines.installed()

@@ -17,9 +17,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ortbridge import OnnxModule
-from ortbridge._examples import linear_model
-from ortbridge._onnx_utils import make_model
-from ortbridge._ort_limits import limits
+from ortbridge._prepare._onnx_utils import make_model
+from ortbridge._runtime._limits import limits
+from ortbridge.examples import linear_model
 from ortbridge.exceptions import OnnxInputError, OnnxModelError, OrtBridgeError
 from ortbridge.training import OnnxSGDRegressor, OrtFullGraphTrainer, OrtSGD
 from ortbridge.training._sgd import SklearnSGD

@@ -22,8 +22,8 @@ from torch import nn
 
 import ortbridge
 from ortbridge import OnnxModule
-from ortbridge._examples import linear_model
-from ortbridge._onnx_utils import make_model
+from ortbridge._prepare._onnx_utils import make_model
+from ortbridge.examples import linear_model
 from ortbridge.training import (
     OnnxSGDClassifier,
     OnnxSGDRegressor,

@@ -10,9 +10,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortbridge import OnnxModule, OrtBridgeError, _ort
-from ortbridge._examples import linear_model
-from ortbridge._onnx_utils import make_model
+from ortbridge import OnnxModule, OrtBridgeError
+from ortbridge._prepare._onnx_utils import make_model
+from ortbridge._runtime import _ort
+from ortbridge.examples import linear_model
 from ortbridge.exceptions import (
     MissingDependencyError,
     NotDifferentiableError,
@@ -120,7 +121,7 @@ def test_missing_onnxruntime_says_what_to_install():
     code = (
         "import sys; sys.modules['onnxruntime'] = None\n"
         "import ortbridge\n"
-        "from ortbridge._examples import linear_model\n"
+        "from ortbridge.examples import linear_model\n"
         "try:\n"
         "    ortbridge.OnnxModule(linear_model(3, 2))\n"
         "except ortbridge.OrtBridgeError as e:\n"

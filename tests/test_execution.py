@@ -11,11 +11,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortbridge import OnnxModule, _ort
-from ortbridge._engines import _onnxruntime
-from ortbridge._examples import linear_model
-from ortbridge._onnx_utils import make_model
-from ortbridge._runtime import _session, current_stream, providers_for
+from ortbridge import OnnxModule
+from ortbridge._engines.onnxruntime import _engine as _onnxruntime
+from ortbridge._prepare._onnx_utils import make_model
+from ortbridge._runtime import _ort
+from ortbridge._runtime._sessions import _session, current_stream, providers_for
+from ortbridge.examples import linear_model
 from ortbridge.exceptions import MissingDependencyError
 
 # Every test here runs on each engine installed (see conftest).

@@ -59,7 +59,7 @@ def test_catches_a_wrong_gradient_and_names_the_tensor(engine, monkeypatch):
 def test_catches_the_builders_wrong_gradient_with_the_table_switched_off():
     from onnx import TensorProto, helper
 
-    from ortbridge._engines import _builder_limits
+    from ortbridge._engines.training_agent import _limits as _builder_limits
 
     # A dilated AveragePool after a weight: the builder's gradient is wrong.
     nodes = [

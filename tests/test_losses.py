@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 import ortbridge
 import ortbridge.losses
 from ortbridge import add_loss_output, get_train_initializer
-from ortbridge._ort_limits import limits
+from ortbridge._runtime._limits import limits
 from ortbridge.exceptions import OnnxInputError, OnnxModelError
 
 N_IN, N_HIDDEN = 4, 5

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from ortbridge import OnnxModule
-from ortbridge._onnx_utils import make_model
+from ortbridge._prepare._onnx_utils import make_model
 
 # Every test here runs on each engine installed (see conftest).
 pytestmark = pytest.mark.usefixtures("backend")
@@ -236,7 +236,7 @@ def test_initializers_listed_as_inputs_old_ir():
 
 
 def linear_model_ir3():
-    from ortbridge._examples import linear_model
+    from ortbridge.examples import linear_model
 
     proto = linear_model(3, 2)
     for init in proto.graph.initializer:  # as IR < 4 models do

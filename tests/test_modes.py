@@ -15,7 +15,7 @@ from conftest import ENGINES, compare_with_torch, export
 from torch import nn
 
 from ortbridge import OnnxModule
-from ortbridge._examples import linear_model
+from ortbridge.examples import linear_model
 
 # Every test here runs on each engine installed (see conftest).
 pytestmark = pytest.mark.usefixtures("backend")

@@ -2,7 +2,7 @@
 
 ``tests/data/pickled_before_layout/`` holds pickles written at commit 0ca8f91,
 before the package's modules moved into one folder per stage (the summary
-types an ``OnnxModule`` pickles lived in ``ortbridge._graph_load``): an
+types an ``OnnxModule`` pickles lived in ``ortbridge._prepare._load``): an
 ``OnnxModule`` of each engine with its torch SGD state, one trained by
 ``OrtSGD``, an ``OnnxSGDRegressor`` and an ``OrtFullGraphTrainer``, each
 trained two steps on a 6-8-1 MLP. A loaded object must give what a fresh one

@@ -70,11 +70,11 @@ def _directional_check(layer, feeds, groups=8, rtol=2e-3):
     """
     from onnx.reference import ReferenceEvaluator
 
-    from ortbridge import _graph
+    from ortbridge import _prepare
     from ortbridge._coverage._float64 import _to_float64
 
     bridge = layer._bridge
-    model, _ = bridge._variant(_graph.EVAL, for_gradient=False, tensors=list(feeds))
+    model, _ = bridge._variant(_prepare.EVAL, for_gradient=False, tensors=list(feeds))
     evaluator = ReferenceEvaluator(_to_float64(model), new_ops=[_OneHot])
     gen = torch.Generator().manual_seed(1)
     outs = _floats(layer(*feeds))

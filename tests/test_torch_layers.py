@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from conftest import ENGINES, export, export_torchscript
 from torch import nn
 
-from ortbridge import OnnxModule, _ort
+from ortbridge import OnnxModule
+from ortbridge._runtime import _ort
 from ortbridge.exceptions import NotDifferentiableError
 
 ORT = "onnxruntime"

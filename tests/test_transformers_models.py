@@ -20,7 +20,8 @@ from __future__ import annotations
 import pytest
 from conftest import ENGINES
 
-from ortbridge import OnnxModule, _ort
+from ortbridge import OnnxModule
+from ortbridge._runtime import _ort
 
 pytest.importorskip("transformers")
 

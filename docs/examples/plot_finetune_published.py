@@ -32,7 +32,7 @@ import onnxruntime as ort
 import torch
 
 import ortbridge
-from ortbridge._published import published_file
+from ortbridge.examples import published_file
 
 path = published_file("rapidocr", "3.10.0", "rapidocr/models/ch_ppocr_mobile_v2.0_cls_mobile.onnx")
 start = time.perf_counter()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import ortbridge
-from ortbridge._published import published_file
+from ortbridge.examples import published_file
 
 path = published_file("openwakeword", "0.4.0", "openwakeword/resources/models/embedding_model.onnx")
 backbone = ortbridge.OnnxModule(path).eval()

@@ -7,9 +7,9 @@ and ``backward(output gradients, token, residuals, tensors, saved outputs)
 ``non_differentiable``, ``full_shape``, ``save_outputs`` (the token, where
 it has its own, says which outputs its backward reads) and ``grad_slots``.
 
-- ``"training-agent"`` (:mod:`._training_agent`): onnxruntime-training
+- ``"training-agent"`` (:mod:`.training_agent._engine`): onnxruntime-training
   1.19.2's gradient builder and TrainingAgent.
-- ``"onnxruntime"`` (:mod:`._onnxruntime`): onnx-ad's reverse mode, split in
+- ``"onnxruntime"`` (:mod:`.onnxruntime._engine`): onnx-ad's reverse mode, split in
   two graphs, run by any onnxruntime.
 - ``"auto"``: the training agent where the training build is installed and
   its builder differentiates the graph correctly; the onnxruntime engine
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import onnx
 
-from .. import _ort
+from .._runtime import _ort
 from ..exceptions import MissingDependencyError, OnnxInputError
 
 TRAINING_AGENT = "training-agent"
@@ -32,18 +32,18 @@ BACKENDS = (AUTO, TRAINING_AGENT, ONNXRUNTIME)
 def builder_avoids(model: onnx.ModelProto) -> str | None:
     """Why the training build's builder must not differentiate ``model`` (None: it may).
 
-    The table of :mod:`._builder_limits`, after its rewrites.
+    The table of :mod:`.training_agent._limits`, after its rewrites.
     """
-    from . import _builder_limits
+    from .training_agent import _limits
 
-    found = _builder_limits.first_limit(_builder_limits.rewrite_for_builder(model))
-    return None if found is None else _builder_limits.describe(*found)
+    found = _limits.first_limit(_limits.rewrite_for_builder(model))
+    return None if found is None else _limits.describe(*found)
 
 
 def onnxruntime_engine_available() -> bool:
     try:
         _ort.runtime()
-        from ._reverse_prep import onnx_ad
+        from .onnxruntime._reverse_prep import onnx_ad
 
         onnx_ad()
     except MissingDependencyError:
@@ -66,7 +66,7 @@ def resolve(backend: str, model: onnx.ModelProto) -> tuple[str, str]:
         return TRAINING_AGENT, "asked for"
     if backend == ONNXRUNTIME:
         _ort.runtime()
-        from ._reverse_prep import onnx_ad
+        from .onnxruntime._reverse_prep import onnx_ad
 
         onnx_ad()
         return ONNXRUNTIME, "asked for"
@@ -82,10 +82,10 @@ def resolve(backend: str, model: onnx.ModelProto) -> tuple[str, str]:
 def graph_class(engine: str):
     """The gradient-graph class of ``engine``."""
     if engine == TRAINING_AGENT:
-        from ._training_agent import GradientGraph
+        from .training_agent._engine import GradientGraph
 
         return GradientGraph
-    from ._onnxruntime import OrtGradientGraph
+    from .onnxruntime._engine import OrtGradientGraph
 
     return OrtGradientGraph
 
@@ -95,13 +95,13 @@ def gradient_graph(engine: str, model: onnx.ModelProto, *args, **kwargs):
 
     On the onnxruntime engine, a graph with main-graph ``If`` or ``Loop``
     nodes gets one gradient graph per branch a call takes (and per trip count
-    of a loop it unrolls; :mod:`._resolved`).
+    of a loop it unrolls; :mod:`.onnxruntime._resolved`).
     """
     if engine == ONNXRUNTIME:
-        from .._control_flow import main_control_flow
+        from .._prepare._control_flow import main_control_flow
 
         if main_control_flow(model):
-            from ._resolved import ResolvedGradientGraph
+            from .onnxruntime._resolved import ResolvedGradientGraph
 
             return ResolvedGradientGraph(model, *args, **kwargs)
     return graph_class(engine)(model, *args, **kwargs)

@@ -16,14 +16,14 @@ import onnx
 from numpy.typing import ArrayLike
 from sklearn.base import BaseEstimator
 
-from .. import _graph
-from .._ort_limits import fit_to_runtime
+from .. import _prepare
+from .._runtime._limits import fit_to_runtime
+from .._runtime._sessions import quiet_session_options, training_session
 from ._estimator_by_batch import _EpochsByBatch
 from ._estimator_checks import _Checks
 from ._estimator_epochs import _Epochs
 from ._estimator_in_graph import _EpochsInGraph
 from ._estimator_state import _FittedState
-from ._sessions import session_options, training_session
 
 try:
     from typing import Self
@@ -93,13 +93,15 @@ class _BaseOnnxSGD(_Checks, _FittedState, _Epochs, _EpochsInGraph, _EpochsByBatc
         weights = {init.name: onnx.numpy_helper.to_array(init) for init in trained}
         # Dropout off and BatchNormalization on its running statistics, even
         # for a model exported in train mode.
-        return fit_to_runtime(_graph.predicting_model(_graph.with_weights(model, weights)))
+        return fit_to_runtime(_prepare.predicting_model(_prepare.with_weights(model, weights)))
 
     def _raw_predict(self, X):
         self._check_fitted()
         X = self._check_X(X, reset=False)
         if self._predictor is None:
-            session = training_session(self.to_onnx(), session_options(), "the predicting model")
+            session = training_session(
+                self.to_onnx(), quiet_session_options(), "the predicting model"
+            )
             self._predictor = (session, session.get_inputs()[0].name)
         session, name = self._predictor
         out = session.run(None, {name: X})[0]

@@ -17,8 +17,8 @@ import onnx
 from sklearn.exceptions import NotFittedError as SklearnNotFittedError
 from sklearn.utils import check_array
 
-from .. import _engines, _graph, exceptions
-from .._onnx_utils import np_dtype
+from .. import _engines, _prepare, exceptions
+from .._prepare._onnx_utils import np_dtype
 from ..exceptions import OnnxInputError, OnnxModelError
 from . import _losses
 
@@ -107,7 +107,7 @@ class _Checks:
 
     def _load_model(self):
         """``self.model``, checked to take one float input, and that input's dtype."""
-        model = _graph.load_model(self.model)
+        model = _prepare.load_model(self.model)
         inputs = [i for i in model.graph.input if i.name not in _initializer_names(model)]
         if len(inputs) != 1:
             raise OnnxModelError(

@@ -1,4 +1,4 @@
-"""An estimator's epoch in one onnxruntime call, on :class:`._epoch_graph.EpochGraph`.
+"""An estimator's epoch in one onnxruntime call, on :class:`._graphs._epoch.EpochGraph`.
 
 The model with its loss is the step of the graph's ``Loop``
 (:meth:`_EpochsInGraph._epoch_engine`); the graphs are cached by batch size
@@ -16,11 +16,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import _graph
-from ._epoch_graph import EpochGraph
-from ._epoch_graph import Hyper as _Hyper
-from ._epoch_graph import Rule as _Rule
-from ._sessions import session_options
+from .. import _prepare
+from .._runtime._sessions import quiet_session_options
+from ._graphs._epoch import EpochGraph
+from ._graphs._epoch import Hyper as _Hyper
+from ._graphs._epoch import Rule as _Rule
 
 
 class _EpochsInGraph:
@@ -29,14 +29,14 @@ class _EpochsInGraph:
     def _epoch_engine(self):
         """What runs epochs in onnxruntime, or None to run batch by batch.
 
-        The model with its loss, ready for :class:`._epoch_graph.EpochGraph`;
+        The model with its loss, ready for :class:`._graphs._epoch.EpochGraph`;
         models with BatchNormalization go batch by batch through ``module_``,
         which keeps their running statistics, and so do models whose trained
         weights are not all of the loss's type (the epoch graph's state is one
         flat vector).
         """
         if self._engine is False:
-            model = _graph.normalize(self.module_.to_onnx())
+            model = _prepare.normalize(self.module_.to_onnx())
             loss_type = model.graph.output[0].type.tensor_type.elem_type
             trained = dict(self.module_.named_onnx_parameters())
             types = {init.data_type for init in model.graph.initializer if init.name in trained}
@@ -45,7 +45,7 @@ class _EpochsInGraph:
             ):
                 self._engine = None
             else:
-                model, _ = _graph.make_variant(model, _graph.TRAIN, False, for_gradient=True)
+                model, _ = _prepare.make_variant(model, _prepare.TRAIN, False, for_gradient=True)
                 self._engine = model
         return self._engine
 
@@ -175,7 +175,7 @@ _ONE_THREAD_WORK = 4e6
 
 def _epoch_session_options(weights_times_rows):
     """Quiet sessions, not spinning; one thread for small steps, torch's count otherwise."""
-    so = session_options()
+    so = quiet_session_options()
     small = 3 * weights_times_rows < _ONE_THREAD_WORK
     so.intra_op_num_threads = 1 if small else torch.get_num_threads()
     so.inter_op_num_threads = 1

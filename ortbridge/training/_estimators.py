@@ -8,10 +8,10 @@ velocities (:mod:`._estimator_state`, which also pickles them). An epoch
 (:mod:`._estimator_epochs`) then runs one of two ways, to the same weights:
 
 - in one onnxruntime call (:mod:`._estimator_in_graph`, on
-  :mod:`._epoch_graph`): a ``Loop`` whose every step slices its batch, runs
+  :mod:`._graphs._epoch`): a ``Loop`` whose every step slices its batch, runs
   forward, loss, backward and update; the parameters and velocities are
   views of its flat state; the backward comes from either gradient source
-  (:mod:`._gradient`), so that the estimators run on the training build and
+  (:mod:`._graphs._gradient`), so that the estimators run on the training build and
   on maintained onnxruntime alike;
 - batch by batch (:mod:`._estimator_by_batch`), for models with
   BatchNormalization (their running statistics are updated by the module's
@@ -114,7 +114,7 @@ class OnnxSGDRegressor(RegressorMixin, _BaseOnnxSGD):
     Examples
     --------
     >>> import numpy as np
-    >>> from ortbridge._examples import linear_model
+    >>> from ortbridge.examples import linear_model
     >>> from ortbridge.training import OnnxSGDRegressor
     >>> X = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
     >>> y = X @ np.array([1.0, -2.0, 0.5], dtype=np.float32)
@@ -188,7 +188,7 @@ class OnnxSGDClassifier(ClassifierMixin, _BaseOnnxSGD):
     Examples
     --------
     >>> import numpy as np
-    >>> from ortbridge._examples import linear_model
+    >>> from ortbridge.examples import linear_model
     >>> from ortbridge.training import OnnxSGDClassifier
     >>> X = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
     >>> y = np.where(X[:, 0] - X[:, 1] > 0, "yes", "no")

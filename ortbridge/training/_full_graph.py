@@ -3,8 +3,8 @@
 When the whole model is ONNX, torch has nothing left to do during training:
 each step is one onnxruntime call on a graph holding the forward, the loss,
 the gradients and the optimizer's update, with the weights and the
-optimizer state kept in onnxruntime's buffers (:mod:`._training_graph`).
-The gradients come from either source of :mod:`._gradient`, so that the
+optimizer state kept in onnxruntime's buffers (:mod:`._graphs._step`).
+The gradients come from either source of :mod:`._graphs._gradient`, so that the
 trainer runs on the training build and on maintained onnxruntime alike.
 
 onnxruntime's own training API (``onnxruntime.training.api``) needs two calls
@@ -29,18 +29,17 @@ import numpy as np
 import onnx
 from numpy.typing import ArrayLike
 
-from .. import _ort
-from .._graph import load_model, normalize, predicting_model, weights_as_inputs, with_weights
-from .._onnx_utils import np_dtype
-from .._ort_errors import plain
-from .._ort_limits import fit_to_runtime
+from .._prepare import load_model, normalize, predicting_model, weights_as_inputs, with_weights
+from .._prepare._onnx_utils import np_dtype
+from .._runtime import _ort
+from .._runtime._errors import plain
+from .._runtime._limits import fit_to_runtime
+from .._runtime._sessions import quiet_session_options, training_session
 from ..exceptions import OnnxInputError, OnnxModelError, TrainingDivergedError
 from ._full_graph_checks import _TrainerChecks
 from ._full_graph_state import _TrainerState, read_checkpoint, write_checkpoint
-from ._sessions import session_options as default_session_options
-from ._sessions import training_session
-from ._training_graph import PingPongRunner
-from ._update_graph import check_learning_rate, optimizer_options
+from ._graphs._step import PingPongRunner
+from ._graphs._update import check_learning_rate, optimizer_options
 
 if TYPE_CHECKING:  # onnxruntime is imported when a session is made, not before
     import onnxruntime
@@ -118,7 +117,7 @@ class OrtFullGraphTrainer(_TrainerChecks, _TrainerState):
     --------
     >>> import numpy as np
     >>> from ortbridge.training import OrtFullGraphTrainer
-    >>> from ortbridge._examples import linear_model
+    >>> from ortbridge.examples import linear_model
     >>> rng = np.random.default_rng(0)
     >>> X = rng.standard_normal((64, 3)).astype(np.float32)
     >>> y = X @ np.array([[1.0], [-2.0], [0.5]], np.float32)
@@ -252,7 +251,7 @@ class OrtFullGraphTrainer(_TrainerChecks, _TrainerState):
                 predicting_model(load_model(self._onnx)), self._trainable
             )
             fit_to_runtime(predicting)
-            so = self.session_options or default_session_options()
+            so = self.session_options or quiet_session_options()
             self._predictor = training_session(predicting, so, "the predicting model")
         binding = C.SessionIOBinding(self._predictor._sess)
         for name in self._trainable:

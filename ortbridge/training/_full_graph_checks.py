@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from .._onnx_utils import FLOAT_TYPES
+from .._prepare._onnx_utils import FLOAT_TYPES
 from ..exceptions import OnnxInputError, OnnxModelError
 
 

@@ -1,7 +1,7 @@
 """The training state of :class:`._full_graph.OrtFullGraphTrainer`: runners, snapshots, files.
 
 The weights and the optimizer state live in onnxruntime's buffers, held by
-one :class:`._training_graph.PingPongRunner` per variant of the training
+one :class:`._graphs._step.PingPongRunner` per variant of the training
 graph (with or without sample weights); switching variants copies the state
 once. A snapshot of it (JSON metadata, the state's arrays, the step counts
 and the shuffling state) is what a checkpoint file holds, a numpy ``.npz``
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..exceptions import NotFittedError, OnnxInputError
-from ._training_graph import (
+from ._graphs._step import (
     LABEL,
     SAMPLE_WEIGHT,
     PingPongRunner,

@@ -3,7 +3,7 @@
 :class:`_FusedSGD` is the :class:`torch.optim.Optimizer` under
 :class:`._sgd.OrtSGD` and :class:`._sgd.SklearnSGD`. Its ``step()`` builds
 (once per layout of the parameters, then cached) the graph of
-:func:`._sgd_rule.build_update_graph` that takes every parameter, gradient
+:func:`._graphs._sgd_rule.build_update_graph` that takes every parameter, gradient
 and velocity and computes the new ones, and runs it with an IOBinding whose
 inputs and outputs are the tensors' own memory: onnxruntime writes the new
 values in place, no tensor is copied and no parameter changes address.
@@ -25,10 +25,11 @@ import numpy as np
 import torch
 from onnx import TensorProto
 
-from .._ort import capi, runtime
-from .._ort_errors import translate
+from .._runtime._errors import translate
+from .._runtime._ort import capi, runtime
+from .._runtime._sessions import make_session
 from ..exceptions import OnnxInputError, OnnxTypeError
-from ._sgd_rule import _Flags, _scalar_names, _scalar_values, build_update_graph
+from ._graphs._sgd_rule import _Flags, _scalar_names, _scalar_values, build_update_graph
 
 _ELEM = {torch.float32: TensorProto.FLOAT, torch.float64: TensorProto.DOUBLE}
 _NP_DTYPE = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
@@ -46,9 +47,7 @@ class _Update:
         options.intra_op_num_threads = 1
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(
-            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
+        self.session = make_session(model, options, what="the optimizer's update graph")
         self.run_options = capi().RunOptions()
         sets, params = layout
         C = capi()

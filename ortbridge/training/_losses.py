@@ -37,8 +37,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .._loss_nodes import elementwise_loss
-from .._onnx_utils import FLOAT_TYPES, make_model, np_dtype
+from .._prepare._loss_nodes import elementwise_loss
+from .._prepare._onnx_utils import FLOAT_TYPES, make_model, np_dtype
 from ..exceptions import OnnxInputError, OnnxModelError
 
 #: Names of the losses the estimators accept.
@@ -260,7 +260,7 @@ def _loss_nodes(loss, pred, target, weight, output, dtype, prefix, l1_weight, l2
     """Nodes computing ``output = sum(weight * loss(pred, target))``.
 
     ``pred``, ``target`` are (n, k) and ``weight`` is (n, 1); the elementwise
-    loss is :func:`ortbridge._loss_nodes.elementwise_loss`'s, squares halved.
+    loss is :func:`ortbridge._prepare._loss_nodes.elementwise_loss`'s, squares halved.
     """
     nodes = []
 

@@ -4,7 +4,7 @@
 scikit-learn's ``MLPRegressor``. Both are :class:`._fused_sgd._FusedSGD`,
 whose ``step()`` runs one ONNX graph updating every parameter and velocity
 in place, and differ only in the scalars they feed it. In the letters of
-the rule (:mod:`._sgd_rule`), ``g' = a g + d w + e sign(w)``,
+the rule (:mod:`._graphs._sgd_rule`), ``g' = a g + d w + e sign(w)``,
 ``v = mu v + c g'``, ``w = w + s v``: :class:`OrtSGD` has ``a = c = 1``,
 ``d = weight_decay``, ``e = 0``, ``s = -lr``; :class:`SklearnSGD` has
 ``a = 1 / batch``, ``d`` and ``e`` the elastic penalty divided by the batch,
@@ -14,15 +14,14 @@ group's ``lr`` (an LR scheduler) or the batch size never rebuilds the graph.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 
 from ..exceptions import OnnxInputError
 from ._fused_sgd import _FusedSGD
-from ._sgd_rule import _Flags
+from ._graphs._sgd_rule import _Flags
+from ._graphs._update import check_hyper
 
 
 class OrtSGD(_FusedSGD):
@@ -67,7 +66,7 @@ class OrtSGD(_FusedSGD):
         nesterov: bool = False,
         weight_decay: float = 0.0,
     ) -> None:
-        _check_hyper(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        check_hyper(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         # dampening=0 and maximize=False: torch.optim.SGD reads them from a
         # state dict saved by OrtSGD.
         defaults = {
@@ -81,7 +80,7 @@ class OrtSGD(_FusedSGD):
         super().__init__(params, defaults)
 
     def _check_group(self, group, gi):
-        _check_hyper(
+        check_hyper(
             lr=group["lr"],
             momentum=group["momentum"],
             weight_decay=group["weight_decay"],
@@ -137,7 +136,7 @@ class SklearnSGD(_FusedSGD):
         alpha: float = 0.0,
         l1_ratio: float = 0.0,
     ):
-        _check_hyper(lr=lr, momentum=momentum, alpha=alpha)
+        check_hyper(lr=lr, momentum=momentum, alpha=alpha)
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -153,7 +152,7 @@ class SklearnSGD(_FusedSGD):
         self.__dict__.setdefault("grad_scale", 1.0)
 
     def _check_group(self, group, gi):
-        _check_hyper(
+        check_hyper(
             lr=group["lr"],
             momentum=group["momentum"],
             alpha=group["alpha"],
@@ -185,12 +184,3 @@ class SklearnSGD(_FusedSGD):
         if grad_scale is not None:
             self.grad_scale = grad_scale
         super()._step()
-
-
-def _check_hyper(*, nesterov=False, where="", **values):
-    for name, value in values.items():
-        number = isinstance(value, (int, float, np.floating, np.integer))
-        if not (number and math.isfinite(value) and value >= 0):
-            raise OnnxInputError(f"{where}{name} must be a finite number >= 0, got {value!r}")
-    if nesterov and values["momentum"] <= 0:
-        raise OnnxInputError(f"nesterov=True needs momentum > 0, got momentum={values['momentum']}")

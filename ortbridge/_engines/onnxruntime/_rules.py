@@ -1,0 +1,279 @@
+"""ortbridge's corrections to onnx-ad's reverse rules, in force only while ortbridge calls it.
+
+onnx-ad keeps its rules in a table; :func:`own_rules` wraps some entries for
+the duration of one ``reverse`` call and puts the originals back, so other
+users of onnx-ad in the process see it unchanged. Each wrapper calls
+onnx-ad's rule and corrects one case where its result is NaN and the true
+derivative is zero (checked against finite differences on ONNX's node tests):
+
+- ``Softmax``/``LogSoftmax`` of a row that is entirely masked (every input
+  -inf) is NaN; exporters and the spec's Attention then mask that row's
+  output (NaN-robust attention), so its derivative is 0, not NaN. Where
+  every path from the output to the graph's outputs only carries a NaN on
+  (arithmetic, layout, selection: :data:`_CARRIES_NAN`), nothing masks it,
+  torch's own softmax backward is NaN there too, and the correction (an
+  ``IsNaN`` and a ``Where`` over the whole output, 2.6% of a transformer
+  layer's training step) is left out.
+- ``Pow``'s exponent derivative ``y log(x)`` at ``x = 0`` is ``0 * -inf``;
+  torch takes 0 there (``log`` of 1 where ``x`` is 0).
+
+One wrapper adds what onnx-ad refuses: the weight gradient of a grouped
+``Conv`` (see :func:`_conv`), otherwise one Conv per group, which made a
+published OCR model's 14 depthwise convolutions 2,659 nodes forward and
+about 40,000 backward (minutes of graph building and session creation).
+Another writes the ``ConvTranspose`` of Conv's and the pools' input gradients
+with explicit pads, which onnx's shape inference gets right
+(:func:`_explicit_transposes`). And ``com.microsoft`` ``QuickGelu`` (a SiLU
+fused by :mod:`.passes._fused_activations`) gets a rule of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import onnx
+
+from ortbridge._prepare._onnx_utils import node_reads
+
+
+@contextlib.contextmanager
+def own_rules(model: onnx.ModelProto | None = None):
+    """onnx-ad's reverse-rule table with ortbridge's wrappers in it, restored on exit.
+
+    ``model``, the graph about to be differentiated, tells which softmax
+    outputs no node can mask (without it every one is corrected).
+    """
+    from onnx_ad import rules
+
+    table = rules.REVERSE
+    saved = {op: table[op] for op in _WRAPPERS if op in table}
+    # QuickGelu (a fused SiLU, :mod:`.passes._fused_activations`): onnx-ad has no
+    # rule; its elementwise machinery takes the derivative below.
+    added = "QuickGelu" not in table
+    if added:
+        table["QuickGelu"] = rules._elementwise_reverse
+        rules.DERIVATIVE["QuickGelu"] = _d_quick_gelu
+    unmasked = _unmasked_softmaxes(model) if model is not None else set()
+    for op, original in saved.items():
+        wrapper = _WRAPPERS[op]
+        if op in ("Softmax", "LogSoftmax"):
+            wrapper = functools.partial(wrapper, unmasked=unmasked)
+        table[op] = lambda ctx, node, grads, w=wrapper, o=original: w(ctx, node, grads, o)
+    try:
+        yield
+    finally:
+        table.update(saved)
+        if added:
+            del table["QuickGelu"], rules.DERIVATIVE["QuickGelu"]
+
+
+def _d_quick_gelu(ctx, node, x, y, dtype):
+    # y = x s, s = sigmoid(alpha x): y' = s (1 + alpha x (1 - s)), from x alone
+    alpha = next((a.f for a in node.attribute if a.name == "alpha"), 1.702)
+    b = ctx.b
+    ax = b.op("Mul", [x, ctx.constant(alpha, dtype)])
+    s = b.op("Sigmoid", [ax])
+    gain = b.op("Mul", [ax, b.op("Sub", [ctx.constant(1.0, dtype), s])])
+    return b.op("Mul", [s, b.op("Add", [ctx.constant(1.0, dtype), gain])])
+
+
+def _softmax(ctx, node, grads, original, unmasked=frozenset()):
+    contributions = original(ctx, node, grads)
+    if not contributions or contributions[0] is None or node.output[0] in unmasked:
+        return contributions
+    b = ctx.b
+    y = b.op("Unsqueeze", [node.output[0], b.ints([-1])], stem="softmax_y")  # seed axis
+    nan = b.op("IsNaN", [y], stem="softmax_masked_row")
+    zero = ctx.constant(0.0, ctx.dtype(node.output[0]))
+    return [b.op("Where", [nan, zero, contributions[0]], stem="softmax_adjoint")]
+
+
+def _pow(ctx, node, grads, original):
+    base, exponent = node.input[0], node.input[1]
+    if grads[0] is None or not ctx.asked_for(exponent) or ctx.dtype(exponent) != ctx.dtype(base):
+        return original(ctx, node, grads)
+    # onnx-ad's rule for the base; its exponent term is replaced (the split
+    # keeps only the nodes an adjoint needs).
+    contributions = list(original(ctx, node, grads))
+    b = ctx.b
+    dtype = ctx.dtype(node.output[0], base)
+    is_zero = b.op("Equal", [base, ctx.constant(0.0, dtype)], stem="pow_base_zero")
+    safe = b.op("Where", [is_zero, ctx.constant(1.0, dtype), base], stem="pow_safe_base")
+    d_exponent = b.op("Mul", [node.output[0], b.op("Log", [safe])], stem="pow_d_exponent")
+    product = b.op("Mul", [grads[0], ctx.lift(d_exponent)])
+    contributions[1] = ctx.unbroadcast(product, ctx.rank(node.output[0]), exponent)
+    return contributions[:2]
+
+
+def _conv(ctx, node, grads, original):
+    """A grouped Conv's weight gradient, as one grouped Conv; the rest is onnx-ad's.
+
+    With ``g`` groups of ``ci`` input and ``co`` output channels, the weight
+    gradient ``dW[j*co + c, i]`` correlates output gradient channel ``j*co + c``
+    with input channel ``j*ci + i`` over the batch and every position: a
+    Conv of the padded input laid out as ``ci`` images of ``g*N`` channels with
+    the output gradient as ``g*co`` filters of ``N`` channels, ``group=g``,
+    strides and dilations swapped (onnx-ad's own rule, for group 1, swaps the
+    batch and channel axes the same way). Needs static channel, kernel and
+    spatial sizes; the batch may be dynamic.
+    """
+    group = next((a.i for a in node.attribute if a.name == "group"), 1)
+    x, w, y = node.input[0], node.input[1], node.output[0]
+    if group == 1 or not ctx.asked_for(w):
+        return _explicit_transposes(ctx, node, grads, original)
+    xs, ws, ys = ctx.shapes.shape(x), ctx.shapes.static(w), ctx.shapes.shape(y)
+    if ws is None or not _known_but_batch(xs) or not _known_but_batch(ys):
+        from onnx_ad import UnsupportedOperator
+
+        # Says "declared": the engine then builds the graph per input shape.
+        raise UnsupportedOperator(
+            f"the weight gradient of grouped Conv {node.name!r} needs declared sizes of "
+            f"its input {x!r}, weight {w!r} and output {y!r} (all but the batch)"
+        )
+    asked = ctx.asked_for
+    ctx.asked_for = lambda name: name != w and asked(name)  # the weight is ours
+    try:
+        contributions = list(_explicit_transposes(ctx, node, grads, original))
+    finally:
+        del ctx.asked_for
+    contributions[1] = _grouped_conv_weight(ctx, node, group, xs, ws, ys, grads[0])
+    return contributions
+
+
+def _explicit_transposes(ctx, node, grads, original):
+    """onnx-ad's rule, its ``ConvTranspose`` nodes given pads instead of ``output_shape``.
+
+    onnx's shape inference (1.23, and onnxruntime's) gives a ConvTranspose
+    with ``output_shape`` rank 2, so a Reshape after it to the declared shape
+    fails to load ("incompatible shapes": wav2vec2's positional convolution).
+    onnxruntime (1.19 and 1.31) splits the padding ``output_shape`` implies
+    with the odd one before (``total - total // 2``, then ``total // 2``); the
+    same pads written out give the same values.
+    """
+    start = len(ctx.b.nodes)
+    contributions = original(ctx, node, grads)
+    y = ctx.shapes.static(node.output[0])
+    kernel = next((list(a.ints) for a in node.attribute if a.name == "kernel_shape"), None)
+    if kernel is None and len(node.input) > 1:
+        w = ctx.shapes.static(node.input[1])
+        kernel = None if w is None else list(w[2:])
+    if y is None or kernel is None or None in kernel:
+        return contributions
+    for i in range(start, len(ctx.b.nodes)):
+        made = ctx.b.nodes[i]
+        if made.op_type == "ConvTranspose":
+            ctx.b.nodes[i] = _with_pads(made, list(y[2:]), kernel) or made
+    return contributions
+
+
+def _with_pads(node, sizes, kernel):
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    out = attrs.get("output_shape")
+    if not out or attrs.get("auto_pad", "NOTSET") != "NOTSET" or len(out) != len(sizes):
+        return None
+    ones = [1] * len(sizes)
+    strides, dilations = attrs.get("strides", ones), attrs.get("dilations", ones)
+    adjust = attrs.get("output_padding", [0] * len(sizes))
+    total = [
+        s * (n - 1) + a + (k - 1) * d + 1 - o
+        for n, k, s, d, a, o in zip(sizes, kernel, strides, dilations, adjust, out)
+    ]
+    if None in sizes or min(total) < 0:
+        return None
+    pads = [t - t // 2 for t in total] + [t // 2 for t in total]
+    attrs.pop("output_shape")
+    attrs["pads"] = pads
+    return onnx.helper.make_node(
+        "ConvTranspose", list(node.input), list(node.output), node.name, **attrs
+    )
+
+
+def _known_but_batch(shape) -> bool:
+    return shape is not None and len(shape) > 2 and None not in shape[1:]
+
+
+def _grouped_conv_weight(ctx, node, group, xs, ws, ys, grad):
+    b = ctx.b
+    x, y = node.input[0], node.output[0]
+    spatial = len(ws) - 2
+    attrs = {a.name: a for a in node.attribute}
+    ones = [1] * spatial
+    strides = list(attrs["strides"].ints) if "strides" in attrs else ones
+    dilations = list(attrs["dilations"].ints) if "dilations" in attrs else ones
+    pads = list(attrs["pads"].ints) if "pads" in attrs else [0] * (2 * spatial)
+    ci, co = ws[1], ws[0] // group
+    padded = list(xs[2:])
+    if any(pads):
+        x = b.op("Pad", [x, b.ints([0, 0, *pads[:spatial], 0, 0, *pads[spatial:]])])
+        padded = [n + p + q for n, p, q in zip(padded, pads[:spatial], pads[spatial:])]
+    axes = list(range(3, 3 + spatial))
+    # [N, g*ci, ...] -> [ci, g*N, ...]: image i holds input channel i of every group
+    images = b.op("Reshape", [x, b.ints([0, group, ci, *padded])])
+    images = b.op("Transpose", [images], perm=[2, 1, 0, *axes])
+    images = b.op("Reshape", [images, b.ints([ci, -1, *padded])])
+    # [N, g*co, ..., 1] -> [g*co, N, ...]: filter j*co + c reads group j's N channels
+    seeded = ctx.squeeze(ctx.full(grad, y), [-1])
+    filters = b.op("Reshape", [seeded, b.ints([0, group, co, *ys[2:]])])
+    filters = b.op("Transpose", [filters], perm=[1, 2, 0, *axes])
+    filters = b.op("Reshape", [filters, b.ints([group * co, -1, *ys[2:]])])
+    product = b.op(
+        "Conv", [images, filters], group=group, strides=dilations, dilations=strides,
+        pads=[0] * (2 * spatial), stem="grouped_conv_w",
+    )  # fmt: skip
+    # [ci, g*co, k'...] -> [g*co, ci, k...], the overhang past the kernel cropped
+    product = ctx.slice(product, [0] * spatial, list(ws[2:]), list(range(2, 2 + spatial)))
+    weight = b.op("Transpose", [product], perm=[1, 0, *range(2, 2 + spatial)])
+    return ctx.unsqueeze(weight, [-1])
+
+
+_WRAPPERS = {
+    "Softmax": _softmax,
+    "LogSoftmax": _softmax,
+    "Pow": _pow,
+    "Conv": _conv,
+    "AveragePool": _explicit_transposes,
+    "LpPool": _explicit_transposes,
+}
+
+
+#: Operators that carry a NaN in an input on to their outputs (or drop it with
+#: the element it sits in): none of them can turn a NaN row into zeros.
+_CARRIES_NAN = frozenset(
+    {
+        "Add", "Sub", "Mul", "Div", "Neg", "MatMul", "Gemm", "Einsum", "Exp", "Log",
+        "Sqrt", "Pow", "Tanh", "Sigmoid", "Erf", "Gelu", "Relu", "Softmax", "LogSoftmax",
+        "LayerNormalization", "ReduceSum", "ReduceMean", "Dropout", "Identity", "Reshape",
+        "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Concat", "Split", "Slice",
+        "Gather", "Expand", "Tile",
+    }
+)  # fmt: skip
+
+
+def _unmasked_softmaxes(model: onnx.ModelProto) -> set[str]:
+    """Outputs of the main graph's softmaxes whose every reader, and theirs on to
+    the graph's outputs, is in :data:`_CARRIES_NAN` (a node whose subgraph reads
+    one is not)."""
+    graph = model.graph
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node_reads(node):
+            readers.setdefault(name, []).append(node)
+    found = set()
+    for node in graph.node:
+        if node.op_type not in ("Softmax", "LogSoftmax") or node.domain not in ("", "ai.onnx"):
+            continue
+        todo, seen, masked = [node.output[0]], set(), False
+        while todo and not masked:
+            name = todo.pop()
+            for reader in readers.get(name, ()):
+                if reader.domain not in ("", "ai.onnx") or reader.op_type not in _CARRIES_NAN:
+                    masked = True
+                    break
+                for out in reader.output:
+                    if out and out not in seen:
+                        seen.add(out)
+                        todo.append(out)
+        if not masked:
+            found.add(node.output[0])
+    return found

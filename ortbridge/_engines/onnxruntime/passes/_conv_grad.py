@@ -1,0 +1,302 @@
+"""A 2-D convolution's gradients: the weight's as im2col and one batched
+MatMul, the input's as one MatMul and ``Col2Im``.
+
+onnx-ad writes the weight gradient of ``Conv(X, W)`` as a convolution of the
+input by the output gradient with batch and channels swapped::
+
+    dW' = Conv(Transpose(X, [1, 0, 2, 3]), Transpose(G, [1, 0, 2, 3]))
+
+onnxruntime runs that slowly on the CPU: both Transposes copy whole
+activations through its generic kernel, and the Conv has one huge kernel (the
+output gradient's spatial size) over few outputs. Measured on 2 cores for a
+small CNN's two layers: 2.8 and 1.7 ms, against 1.0 and 0.34 ms for the form
+below, which reads ``X`` and ``G`` where they are:
+
+- ``P = Conv(X, E, group=C_in)``: a depthwise convolution with one-hot
+  kernels ``E`` gathers every window element of ``X`` (im2col without a
+  Gather), ``P[n, (i, a, b), y, x] = X[n, i, a + y*d0, b + x*d1]``;
+- ``dW'[o, (i, a, b)] = sum_n G[n, o, :] @ P[n, (i, a, b), :]^T``: a batched
+  MatMul over the flattened spatial axis, summed over the batch.
+
+Applied to graphs with static shapes only, to group 1 and unit strides of the
+gradient convolution (the forward's dilation 1), where the batched
+product stays small next to the activations (it holds ``N * C_out * C_in *
+KH * KW`` values), and to kernels of at most 16 taps or fewer taps than
+filters.
+
+The input gradient onnx-ad writes as ``ConvTranspose(G, W)``, which
+onnxruntime runs slowly on the CPU, and more slowly still with workers that
+spin within a run, as the engine's do (a small CNN's 64x16x11x11 gradient on 2
+cores: 0.45 ms, 0.87 ms spinning, against 0.40 ms for the form below). The
+same sums, as ``ConvTranspose`` defines them:
+
+- ``cols = W'^T @ G'``, ``W'`` the weight as (C_out, C_in*KH*KW) and ``G'`` the
+  gradient as (N, C_out, h*w): every window's contributions;
+- ``Col2Im(cols)`` adds them up at their places in the input (opset 18).
+
+Applied to static shapes, group 1, no bias, and where ``Col2Im``'s window
+count for the input's shape, strides, pads and dilations is the gradient's
+``h x w`` (output padding would break that).
+
+A depthwise Conv's input gradient of stride 1 (a 3x3 kernel) is instead the
+depthwise ``Conv`` of the gradient by the flipped kernel, which onnxruntime
+runs faster than its depthwise ``ConvTranspose``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ortbridge._prepare._lookup import _unique
+from ortbridge._prepare._onnx_utils import attr
+
+from ._optimize import _const, _perm, facts, replace_nodes
+
+#: Kernels of at most this many taps (window elements) always take the im2col
+#: form (3x3 layers: measured faster whatever their filters).
+_SMALL_KERNEL = 16
+#: The batched product may hold this many times the larger of ``X`` and ``G``.
+_MAX_PRODUCT_RATIO = 4
+
+
+def conv_weight_gradients(model: onnx.ModelProto) -> None:
+    """Rewrite onnx-ad's weight-gradient convolutions of ``model`` in place."""
+    graph = model.graph
+    if not any(n.op_type == "Conv" for n in graph.node):
+        return
+    found = facts(model)
+    if found is not None:
+        replace_nodes(graph, lambda node: _rewrite(node, found))
+
+
+def conv_input_gradients(model: onnx.ModelProto) -> None:
+    """Rewrite the ``ConvTranspose`` nodes of ``model`` as MatMul and Col2Im (a
+    depthwise one of stride 1 as a depthwise Conv), in place."""
+    graph = model.graph
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if not any(n.op_type == "ConvTranspose" for n in graph.node):
+        return
+    found = facts(model)
+    if found is None:
+        return
+
+    def rewrite(node):
+        depthwise = _depthwise_conv(node, found)
+        return depthwise if depthwise is not None or opset < 18 else _col2im(node, found)
+
+    replace_nodes(graph, rewrite)
+
+
+#: Depthwise kernels of at most this many taps have their input gradient as a
+#: depthwise Conv; larger ones (ConvNeXt's 7x7) ran no faster so.
+_DEPTHWISE_TAPS = 9
+
+
+def _depthwise_conv(node, found):
+    """A depthwise ``ConvTranspose`` of stride 1 as the depthwise ``Conv`` it
+    equals: the kernel flipped, pads ``d (k - 1) - p``. On 2 cores: SegFormer's
+    3x3 over 16x16x8x8 113 -> 79 us, over 16x32x4x4 98 -> 80 us; MobileViT's
+    over 16x32x16x16, whose gradients are denormal numbers with random
+    weights, 9.7 -> 4.9 ms."""
+    if node.op_type != "ConvTranspose" or node.domain not in ("", "ai.onnx"):
+        return None
+    if len(node.input) != 2 or attr(node, "auto_pad", "NOTSET") != "NOTSET":
+        return None
+    g_shape, w_shape = found.shapes.get(node.input[0]), found.shapes.get(node.input[1])
+    if not (_static(g_shape) and _static(w_shape)) or len(w_shape) < 3:
+        return None
+    group, spatial = attr(node, "group", 1), len(w_shape) - 2
+    if group == 1 or w_shape[0] != group or w_shape[1] != 1 or g_shape[1] != group:
+        return None
+    if any(s != 1 for s in attr(node, "strides", [1] * spatial)):
+        return None
+    if any(attr(node, "output_padding", [0] * spatial)) or attr(node, "output_shape", None):
+        return None
+    kernel, dilations = w_shape[2:], list(attr(node, "dilations", [1] * spatial))
+    if int(np.prod(kernel)) > _DEPTHWISE_TAPS:
+        return None
+    pads = list(attr(node, "pads", [0] * (2 * spatial)))
+    reach = [d * (k - 1) for d, k in zip(dilations, kernel)] * 2
+    flipped_pads = [r - p for r, p in zip(reach, pads)]
+    if min(flipped_pads) < 0:
+        return None
+    stem, taken = node.output[0], found.taken
+    starts, ends, axes, steps, flipped = (
+        _unique(f"{stem}/{s}", taken) for s in ("starts", "ends", "axes", "steps", "flipped")
+    )
+    return [
+        _const(starts, [-1] * spatial),
+        _const(ends, [-(2**62)] * spatial),
+        _const(axes, list(range(2, 2 + spatial))),
+        _const(steps, [-1] * spatial),
+        helper.make_node("Slice", [node.input[1], starts, ends, axes, steps], [flipped]),
+        helper.make_node(
+            "Conv",
+            [node.input[0], flipped],
+            [stem],
+            node.name,
+            group=group,
+            dilations=dilations,
+            pads=flipped_pads,
+        ),
+    ]
+
+
+def _col2im(node, found):
+    if node.op_type != "ConvTranspose" or node.domain not in ("", "ai.onnx"):
+        return None
+    if len(node.input) != 2:  # a bias: not onnx-ad's gradient
+        return None
+    shapes, taken = found.shapes, found.taken
+    g, w = node.input
+    g_shape, w_shape, out = shapes.get(g), shapes.get(w), shapes.get(node.output[0])
+    if not all(_static(s) and len(s) == 4 for s in (g_shape, w_shape, out)):
+        return None
+    if attr(node, "group", 1) != 1 or attr(node, "auto_pad", "NOTSET") != "NOTSET":
+        return None
+    n, c_out, h, w_ = g_shape
+    c_in, kernel = w_shape[1], w_shape[2:]
+    if w_shape[0] != c_out or tuple(out[:2]) != (n, c_in):
+        return None
+    strides = list(attr(node, "strides", [1, 1]))
+    dilations = list(attr(node, "dilations", [1, 1]))
+    pads = list(attr(node, "pads", [0, 0, 0, 0]))
+    image = out[2:]
+    # Col2Im reads as many windows as a convolution of the input would make.
+    for axis, count in enumerate((h, w_)):
+        span = image[axis] + pads[axis] + pads[axis + 2] - dilations[axis] * (kernel[axis] - 1) - 1
+        if span < 0 or span // strides[axis] + 1 != count:
+            return None
+    stem = node.output[0]
+    w2, wt, g3, cols, w_shape_name, g_shape_name, image_name, block_name = (
+        _unique(f"{stem}/{s}", taken)
+        for s in ("w2", "wt", "g3", "cols", "w_shape", "g_shape", "image", "block")
+    )
+    return [
+        _const(w_shape_name, [c_out, c_in * kernel[0] * kernel[1]]),
+        helper.make_node("Reshape", [w, w_shape_name], [w2]),
+        helper.make_node("Transpose", [w2], [wt], perm=[1, 0]),
+        _const(g_shape_name, [n, c_out, h * w_]),
+        helper.make_node("Reshape", [g, g_shape_name], [g3]),
+        helper.make_node("MatMul", [wt, g3], [cols]),
+        _const(image_name, list(image)),
+        _const(block_name, list(kernel)),
+        helper.make_node(
+            "Col2Im",
+            [cols, image_name, block_name],
+            [stem],
+            node.name,
+            dilations=dilations,
+            pads=pads,
+            strides=strides,
+        ),
+    ]
+
+
+def _rewrite(node, found):
+    producer, shapes, types, taken = found.producer, found.shapes, found.types, found.taken
+    if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    if attr(node, "group", 1) != 1 or attr(node, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):
+        return None
+    if any(s != 1 for s in attr(node, "strides", [1, 1])):
+        return None
+    x = _batch_first(node.input[0], producer, shapes)
+    g = _filters_source(node.input[1], producer, shapes)
+    out = shapes.get(node.output[0])
+    if x is None or g is None or not _static(out) or len(out) != 4:
+        return None
+    n, c_in, _, _ = shapes[x]
+    g_shape = shapes[g]
+    c_out, (h, w) = g_shape[1], g_shape[2:4]
+    kh, kw = out[2], out[3]
+    if tuple(out[:2]) != (c_in, c_out) or g_shape[0] != n or x not in types:
+        return None
+    if kh * kw > max(c_out - 1, _SMALL_KERNEL):
+        # Each one-hot column costs the depthwise Conv kh*kw products a
+        # window element, the product that follows c_out: a large kernel of
+        # few filters (ResNet's stem, 7x7 stride 2, 3 -> 64 channels: 3.6 ms
+        # a step, 3.2 ms without, 2 cores) keeps onnx-ad's one convolution.
+        return None
+    product = n * c_out * c_in * kh * kw
+    if product > _MAX_PRODUCT_RATIO * max(np.prod(shapes[x]), np.prod(g_shape)):
+        return None
+    stem = node.output[0]
+    names = [_unique(f"{stem}/{s}", taken) for s in ("onehot", "cols", "cols3", "g3", "prod")]
+    onehot, cols, cols3, g3, prod = names
+    shape_names = [_unique(f"{stem}/{s}", taken) for s in ("cols_shape", "g_shape", "w_shape")]
+    axes, summed, w4 = (_unique(f"{stem}/{s}", taken) for s in ("axes", "summed", "w4"))
+    colst = _unique(f"{stem}/cols_t", taken)
+    # One-hot kernels: output channel (i, a, b) of the depthwise Conv picks X[i] at (a, b).
+    kernels = np.zeros((c_in * kh * kw, 1, kh, kw), dtype=helper.tensor_dtype_to_np_dtype(types[x]))
+    for i in range(c_in):
+        for a in range(kh):
+            for b in range(kw):
+                kernels[(i * kh + a) * kw + b, 0, a, b] = 1
+    return [
+        helper.make_node("Constant", [], [onehot], value=numpy_helper.from_array(kernels)),
+        helper.make_node(
+            "Conv",
+            [x, onehot],
+            [cols],
+            group=c_in,
+            strides=attr(node, "dilations", [1, 1]),
+            pads=attr(node, "pads", [0, 0, 0, 0]),
+        ),
+        _const(shape_names[0], [n, c_in * kh * kw, h * w]),
+        helper.make_node("Reshape", [cols, shape_names[0]], [cols3]),
+        helper.make_node("Transpose", [cols3], [colst], perm=[0, 2, 1]),
+        _const(shape_names[1], [n, c_out, h * w]),
+        helper.make_node("Reshape", [g, shape_names[1]], [g3]),
+        helper.make_node("MatMul", [g3, colst], [prod]),
+        _const(axes, [0]),
+        helper.make_node("ReduceSum", [prod, axes], [summed], keepdims=0),
+        _const(shape_names[2], [c_out, c_in, kh, kw]),
+        helper.make_node("Reshape", [summed, shape_names[2]], [w4]),
+        helper.make_node("Transpose", [w4], [node.output[0]], node.name, perm=[1, 0, 2, 3]),
+    ]
+
+
+def _static(shape) -> bool:
+    return shape is not None and all(isinstance(d, int) and d > 0 for d in shape)
+
+
+def _batch_first(name, producer, shapes):
+    """``X`` (N, C, H, W) where ``name`` is ``X`` with batch and channels swapped."""
+    node = producer.get(name)
+    if node is None:
+        return None
+    source = node.input[0] if node.input else None
+    shape, swapped = shapes.get(source), shapes.get(name)
+    if not _static(shape) or not _static(swapped) or len(shape) != 4:
+        return None
+    if tuple(swapped) != (shape[1], shape[0], *shape[2:]):
+        return None
+    if node.op_type == "Transpose" and _perm(node) == [1, 0, 2, 3]:
+        return source
+    # A swap with a unit axis is a Reshape (see _optimize's unit-axis Transposes).
+    if node.op_type == "Reshape" and 1 in shape[:2]:
+        return source
+    return None
+
+
+def _filters_source(name, producer, shapes):
+    """``G`` (N, C_out, h, w[, 1]) where ``name`` is it as Conv filters (C_out, N, h, w):
+    onnx-ad writes ``Reshape(Transpose(G, [1, 4, 0, 2, 3]))`` with its seed axis last."""
+    reshape = producer.get(name)
+    if reshape is None or reshape.op_type != "Reshape":
+        return None
+    transpose = producer.get(reshape.input[0])
+    if transpose is None or transpose.op_type != "Transpose":
+        return None
+    source = transpose.input[0]
+    shape, filters = shapes.get(source), shapes.get(name)
+    if not _static(shape) or not _static(filters) or len(filters) != 4:
+        return None
+    if _perm(transpose) == [1, 4, 0, 2, 3] and len(shape) == 5 and shape[4] == 1:
+        return source if tuple(filters) == (shape[1], shape[0], *shape[2:4]) else None
+    if _perm(transpose) == [1, 0, 2, 3] and len(shape) == 4:
+        return source if tuple(filters) == (shape[1], shape[0], *shape[2:4]) else None
+    return None

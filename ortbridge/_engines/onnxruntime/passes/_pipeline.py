@@ -1,0 +1,123 @@
+"""The optimiser's contract and its ordered list of passes.
+
+A pass rewrites graphs in place into equal, cheaper ones. It is a function of
+:class:`Graphs` (the models of the stage it runs at) and declares when it
+runs: on the user's graph before onnx-ad differentiates it (``PRIMAL``), on
+the whole reverse model before :mod:`.._split` cuts it (``REVERSE``), or on
+the backward graph after the cut, reading the forward graph where it needs
+to (``BACKWARD``). Most need every shape known (``static``: graphs built for
+one input shape); the others run on the shape-generic graphs too. :data:`PASSES`
+is the order they run in; :func:`run` runs one stage's and names the pass an
+error came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import onnx
+
+from ortbridge._prepare._onnx_utils import drop_unread_initializers
+
+from ._conv_grad import conv_input_gradients, conv_weight_gradients
+from ._fused_activations import fused_activations
+from ._norm_stats import forward_norm_statistics
+from ._opset18 import raise_to_opset18
+from ._optimize import facts, optimize_reverse
+from ._pool_grad import maxpool_gradients
+from ._reductions import fast_reductions
+from ._scalar_operands import full_rank_scalars
+from ._scatter_sums import concat_scatter_sums
+from ._simplify import collapse_views, simplify
+from ._weight_products import weight_products
+from .scan._hoist import hoisted_step_work
+from .scan._outputs import scan_outputs_without_copies
+from .scan._products import fused_scan_products
+from .scan._seed_axis import scan_bodies_without_seed_axis
+from .scan._sums import hoisted_scan_sums
+
+PRIMAL, REVERSE, BACKWARD = "primal", "reverse", "backward"
+
+
+@dataclasses.dataclass
+class Graphs:
+    """The models a stage's passes read and rewrite."""
+
+    primal: onnx.ModelProto | None = None
+    reverse: onnx.ModelProto | None = None
+    forward: onnx.ModelProto | None = None
+    backward: onnx.ModelProto | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One rewrite: its name, the stage it runs at, whether it needs static shapes."""
+
+    name: str
+    stage: str
+    static: bool
+    call: Callable[[Graphs], None]
+
+
+def _col2im_opset(g: Graphs) -> None:
+    if any(n.op_type == "ConvTranspose" for n in g.backward.graph.node):
+        raise_to_opset18(g.backward)  # Col2Im's opset
+
+
+def _known_shape_forms(g: Graphs) -> None:
+    # Both read the shapes of the graph as it now is (new tensors they add
+    # are not rewritten again).
+    found = facts(g.backward)
+    if found is not None:
+        fast_reductions(g.backward, found)
+        full_rank_scalars(g.backward, found)
+
+
+PASSES: tuple[Pass, ...] = (
+    Pass("GELU and SiLU as one kernel", PRIMAL, False, lambda g: fused_activations(g.primal)),
+    Pass("folding, unit-axis transposes, ReLU masks", REVERSE, False,
+         lambda g: optimize_reverse(g.reverse)),
+    Pass("chains of views as one view", REVERSE, True, lambda g: simplify(g.reverse)),
+    Pass("norms' backward reads forward statistics", REVERSE, True,
+         lambda g: forward_norm_statistics(g.reverse)),
+    Pass("Conv weight gradients as im2col", BACKWARD, True,
+         lambda g: conv_weight_gradients(g.backward)),
+    Pass("opset 18 for Col2Im", BACKWARD, True, _col2im_opset),
+    Pass("Conv input gradients", BACKWARD, True, lambda g: conv_input_gradients(g.backward)),
+    Pass("MaxPool gradients without indices", BACKWARD, True,
+         lambda g: maxpool_gradients(g.backward, g.forward)),
+    Pass("scatters that tile an axis as a Concat", BACKWARD, True,
+         lambda g: concat_scatter_sums(g.backward)),
+    Pass("batched weight gradients as one product", BACKWARD, True,
+         lambda g: weight_products(g.backward)),
+    Pass("Scan step sums after the loop", BACKWARD, True,
+         lambda g: hoisted_scan_sums(g.backward)),
+    Pass("Scan bodies without the seed axis", BACKWARD, True,
+         lambda g: scan_bodies_without_seed_axis(g.backward)),
+    Pass("Scan step work before the loop", BACKWARD, True,
+         lambda g: hoisted_step_work(g.backward)),
+    Pass("Scan outputs without copies", BACKWARD, True,
+         lambda g: scan_outputs_without_copies(g.backward)),
+    # The seed axis added and dropped: views that collapse (and what the
+    # passes above left unread goes).
+    Pass("views collapsed", BACKWARD, True, lambda g: collapse_views(g.backward)),
+    # Products in loop bodies, once their views have collapsed.
+    Pass("Scan products with outside weights", BACKWARD, True,
+         lambda g: (fused_scan_products(g.backward), fused_scan_products(g.forward))),
+    Pass("reductions and scalar operands at known shapes", BACKWARD, True, _known_shape_forms),
+    Pass("unread initializers dropped", BACKWARD, True,
+         lambda g: drop_unread_initializers(g.backward.graph)),
+)  # fmt: skip
+
+
+def run(stage: str, graphs: Graphs, static: bool) -> None:
+    """Run ``stage``'s passes in order (only those not needing static shapes
+    unless ``static``)."""
+    for one in PASSES:
+        if one.stage == stage and (static or not one.static):
+            try:
+                one.call(graphs)
+            except Exception as exc:
+                exc.add_note(f"in the onnxruntime engine's optimiser pass {one.name!r}")
+                raise

@@ -1,0 +1,79 @@
+"""Forms older exporters write (paddle2onnx, early opsets), made the ones graph preparation reads.
+
+Run by :func:`._normalize.normalize` before anything else looks at the
+model:
+
+- Unknown dimensions: paddle2onnx names them ``?`` (one name for every
+  unknown axis, not one shared size) and writes ``-1`` as a dimension's
+  value. Both become plain unknown dimensions, so that neither the call
+  checks nor onnx's shape inference (which unifies equal names) ties two
+  axes together.
+- BatchNormalization with its optional statistics outputs (5 below opset 14,
+  3 with ``training_mode``) that nothing reads: the outputs are dropped.
+  ortbridge picks batch or running statistics itself from the module's mode
+  and adds the outputs it needs; left there, they make a train-mode node of
+  7 outputs that onnxruntime refuses.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from ..exceptions import NotDifferentiableError
+from ._onnx_utils import node_reads
+
+#: dim_params that mean "unknown", not a name shared by the axes that carry it.
+UNKNOWN_DIM_NAMES = frozenset({"", "?"})
+
+
+def older_forms_rewritten(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (ortbridge's own copy) with the forms above rewritten in place."""
+    _clear_unknown_dims(model.graph)
+    _batch_norm_single_output(model.graph)
+    return model
+
+
+def _clear_unknown_dims(graph: onnx.GraphProto) -> None:
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        if not value.type.HasField("tensor_type"):
+            continue
+        tensor_type = value.type.tensor_type
+        if not tensor_type.HasField("shape"):
+            continue
+        for dim in tensor_type.shape.dim:
+            which = dim.WhichOneof("value")
+            if (which == "dim_param" and dim.dim_param in UNKNOWN_DIM_NAMES) or (
+                which == "dim_value" and dim.dim_value < 0
+            ):
+                dim.Clear()
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _clear_unknown_dims(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for body in attribute.graphs:
+                    _clear_unknown_dims(body)
+
+
+def _batch_norm_single_output(graph: onnx.GraphProto) -> None:
+    read = {o.name for o in graph.output}
+    for node in graph.node:
+        read.update(node_reads(node))
+    for node in graph.node:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        extra = [name for name in node.output[1:] if name]
+        used = [name for name in extra if name in read]
+        if used:
+            raise NotDifferentiableError(
+                f"node {node.name!r} (BatchNormalization): its statistics output(s) {used} are "
+                "read by the graph; ortbridge computes a BatchNormalization's statistics from "
+                "the module's mode and can only give its first output to other nodes",
+                node=node.name,
+                op_type=node.op_type,
+            )
+        if len(node.output) > 1:
+            del node.output[1:]
+            keep = [a for a in node.attribute if a.name != "training_mode"]
+            del node.attribute[:]
+            node.attribute.extend(keep)

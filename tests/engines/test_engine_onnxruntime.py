@@ -1,0 +1,1199 @@
+"""The onnxruntime engine: residuals in autograd, double backward, Dropout, choosing engines."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from _measure import saved_bytes
+from conftest import ENGINES, export
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from ortbridge import OnnxModule
+from ortbridge._engines.onnxruntime import _engine as _onnxruntime
+from ortbridge._prepare._onnx_utils import make_model
+from ortbridge._runtime import _ort
+from ortbridge.examples import linear_model
+from ortbridge.exceptions import (
+    MissingDependencyError,
+    NotDifferentiableError,
+    OnnxInputError,
+    OrtBridgeError,
+)
+
+ORT = "onnxruntime"
+needs_engine = pytest.mark.skipif(ORT not in ENGINES, reason="onnx-ad is not installed")
+
+
+def _tanh_model(dtype=TensorProto.FLOAT):
+    np_type = np.float64 if dtype == TensorProto.DOUBLE else np.float32
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "w"], ["xw"]), helper.make_node("Tanh", ["xw"], ["y"])],
+        "tanh",
+        [helper.make_tensor_value_info("x", dtype, ["n", 3])],
+        [helper.make_tensor_value_info("y", dtype, ["n", 3])],
+        [numpy_helper.from_array(np.linspace(0.5, 1.5, 3).astype(np_type), "w")],
+    )
+    return make_model(graph)
+
+
+def _mlp64(engine=ORT):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    layer = OnnxModule(export(model, (x,)), backend=engine)
+    if engine == "auto" and _ort.has_training():
+        assert layer.backend == "training-agent"  # the case the twin serves
+    return model, layer
+
+
+# -- choosing an engine -------------------------------------------------------
+
+
+def test_unknown_backend_lists_the_choices():
+    with pytest.raises(OnnxInputError, match=r"backend must be one of \['auto', 'training-agent'"):
+        OnnxModule(linear_model(3, 2), backend="tensorrt")
+
+
+def test_training_agent_without_the_training_build_names_the_extra(monkeypatch):
+    monkeypatch.setattr(_ort, "has_training", lambda: False)
+    with pytest.raises(MissingDependencyError, match=r"ortbridge\[cpu\]"):
+        OnnxModule(linear_model(3, 2), backend="training-agent")
+
+
+@needs_engine
+def test_onnxruntime_engine_without_onnx_ad_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnx_ad", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install onnx-ad"):
+        OnnxModule(linear_model(3, 2), backend=ORT)
+
+
+@needs_engine
+def test_auto_says_which_engine_runs_and_why():
+    layer = OnnxModule(linear_model(3, 2))
+    assert layer.backend in ENGINES
+    if not _ort.has_training():
+        assert layer.backend == ORT
+        assert "training build is not installed" in layer.backend_reason
+    # A graph with a Loop is never handed to the training build's builder.
+    lstm = nn.LSTM(3, 4, batch_first=True, bidirectional=True)
+    layer = OnnxModule(export(lstm, (torch.randn(2, 5, 3),), dynamic_batch=False))
+    assert layer.backend == ORT
+
+
+@needs_engine
+def test_a_node_onnx_ad_gets_wrong_is_refused_by_name():
+    # y = Det(A * w) + sum(w): Det on the path from w is refused; freezing w
+    # (nothing on a gradient path) leaves a module that runs.
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["a", "w"], ["aw"]),
+            helper.make_node("Det", ["aw"], ["y"], name="determinant"),
+        ],
+        "det",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(np.ones((3, 3), np.float32), "w")],
+    )
+    with pytest.raises(NotDifferentiableError, match=r"node 'determinant' \(op type Det\)"):
+        OnnxModule(make_model(graph), backend=ORT)
+    frozen = OnnxModule(make_model(graph), trainable=[], backend=ORT)
+    torch.testing.assert_close(frozen(torch.eye(3) * 2), torch.tensor(8.0))
+
+
+# -- residuals in torch's autograd --------------------------------------------
+
+
+@needs_engine
+def test_interleaved_forwards_backwards_and_freeing():
+    layer = OnnxModule(_tanh_model(), backend=ORT)
+    w = layer.onnx_weight("w").detach().clone().requires_grad_()
+    x1, x2 = torch.randn(5, 3), torch.randn(2, 3)
+    y1, y2 = layer(x1), layer(x2)
+    (y2**2).sum().backward()
+    g2 = layer.onnx_weight("w").grad.clone()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y2.sum().backward()  # its residuals were freed with its backward
+    layer.zero_grad()
+    (y1**3).sum().backward()
+    g1 = layer.onnx_weight("w").grad.clone()
+    (torch.tanh(x2 * w) ** 2).sum().backward()
+    torch.testing.assert_close(g2, w.grad)
+    w.grad = None
+    (torch.tanh(x1 * w) ** 3).sum().backward()
+    torch.testing.assert_close(g1, w.grad)
+
+
+@needs_engine
+def test_retain_graph_reuses_the_residuals_without_running_forward_again(monkeypatch):
+    layer = OnnxModule(_tanh_model(), backend=ORT)
+    x = torch.randn(4, 3, requires_grad=True)
+    y = layer(x)
+    runs = []
+    real = _onnxruntime._Built.forward
+    monkeypatch.setattr(_onnxruntime._Built, "forward", lambda *a: runs.append(1) or real(*a))
+    y.sum().backward(retain_graph=True)
+    first = layer.onnx_weight("w").grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(layer.onnx_weight("w").grad, 2 * first)
+    assert runs == []
+
+
+def _saved_bytes(module, x) -> int:
+    """Bytes a forward keeps for backward, weights and the input excluded."""
+    own = {t.untyped_storage().data_ptr() for t in [x, *module.parameters(), *module.buffers()]}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in own:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x).sum().backward()
+    return sum(kept.values())
+
+
+@needs_engine
+def test_backward_keeps_no_copy_of_an_input():
+    """The zero-interleaved, padded input a ConvTranspose with overlapping windows
+    becomes is redone in the backward, not saved: a UNet decoder block keeps at
+    most 1.2x torch's bytes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1),
+        nn.GroupNorm(2, 4), nn.ReLU(),
+        nn.Upsample(scale_factor=2, mode="bilinear"), nn.Conv2d(4, 2, 3, padding=1),
+    )  # fmt: skip
+    x = torch.randn(2, 8, 6, 6)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    ours, torchs = _saved_bytes(layer, x), _saved_bytes(model, x)
+    assert ours <= 1.2 * torchs, (ours, torchs)
+
+
+@needs_engine
+@pytest.mark.parametrize(
+    ("c_in", "stride", "padding", "batch"), [(1, 1, 0, 4), (3, 2, 1, 5), (4, 1, 2, 1), (2, 3, 1, 3)]
+)
+def test_conv_weight_gradient_by_im2col_matches_torch(c_in, stride, padding, batch):
+    """The weight gradient onnx-ad writes as a Conv over transposed tensors runs as
+    im2col and a batched MatMul (``passes/_conv_grad.py``): same gradients as torch."""
+    torch.manual_seed(c_in)
+    model = nn.Sequential(
+        nn.Conv2d(c_in, 5, 3, stride=stride, padding=padding), nn.Tanh(), nn.Conv2d(5, 2, 2)
+    )  # float32: onnxruntime has no float64 Conv on the CPU
+    x = torch.randn(batch, c_in, 11, 9)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    layer(x).sum().backward()
+    model(x).sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(layer.get_parameter(name).grad, param.grad, rtol=1e-5, atol=1e-5)
+    graph = layer._bridge.gradient_graph("train", [False, *[True] * 4], x.device, [x])
+    built = graph.static_built([x])
+    ops = [(n.op_type, n.output[0]) for n in built.split.backward.graph.node]
+    # A batch of one swaps a unit axis, a view: nothing to rewrite then.
+    rewritten = sum(1 for op, out in ops if op == "Conv" and out.endswith("/cols"))
+    assert rewritten == (2 if batch > 1 else 0), ops
+
+
+@needs_engine
+@pytest.mark.parametrize(
+    "kernel, stride, padding, dilation, as_conv",
+    [(3, 1, 1, 1, True), (3, 1, 0, 2, True), (3, 2, 1, 1, False), (5, 1, 2, 1, False)],
+    ids=["3x3", "3x3-dilated", "3x3-strided", "5x5"],
+)
+def test_depthwise_input_gradient_of_stride_one_is_a_depthwise_conv(
+    kernel, stride, padding, dilation, as_conv
+):
+    """A depthwise 3x3 of stride 1: its input gradient runs as the depthwise Conv
+    with the flipped kernel (onnxruntime's depthwise ConvTranspose is slower);
+    strided or larger kernels keep the ConvTranspose; torch's gradients."""
+    torch.manual_seed(kernel)
+    model = nn.Sequential(
+        nn.Conv2d(6, 6, kernel, stride=stride, padding=padding, dilation=dilation, groups=6),
+        nn.Tanh(),
+    )
+    x = torch.randn(3, 6, 9, 8)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    _compare(model, layer, x)
+    graph = layer._bridge.gradient_graph("train", [True] * 3, x.device, [x])
+    ops = [n.op_type for n in graph.static_built([x]).split.backward.graph.node]
+    assert ("ConvTranspose" not in ops) == as_conv, ops
+
+
+@needs_engine
+def test_large_kernel_of_few_filters_keeps_one_convolution_for_its_weight_gradient():
+    """A stem's 7x7 kernel over 3 channels into 8 filters: im2col by one-hot
+    kernels would cost 64 products a window element against the 8 of the
+    product after it, so onnx-ad's one convolution stays; torch's gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 7, stride=2, padding=3), nn.Tanh())
+    x = torch.randn(4, 3, 16, 16)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    layer(x).sum().backward()
+    model(x).sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(layer.get_parameter(name).grad, param.grad, rtol=1e-4, atol=1e-4)
+    graph = layer._bridge.gradient_graph("train", [False, True, True], x.device, [x])
+    backward = graph.static_built([x]).split.backward.graph
+    assert not [n for n in backward.node if n.op_type == "Conv" and n.output[0].endswith("/cols")]
+
+
+@needs_engine
+@pytest.mark.parametrize(
+    "stride, padding, dilation, size",
+    [(1, 0, 1, 9), (2, 1, 1, 9), (2, 0, 1, 8), (1, 2, 2, 10), (3, 1, 1, 11)],
+)
+def test_conv_input_gradient_by_col2im_matches_torch(stride, padding, dilation, size):
+    """The input gradient as MatMul and Col2Im, not ConvTranspose: strided (also
+    where the last rows are in no window), padded and dilated, against torch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, stride, padding, dilation), nn.Tanh())
+    x = torch.randn(2, 3, size, size + 1)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [True, True, True], x.device, [x])
+    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    assert "Col2Im" in ops and "ConvTranspose" not in ops, ops
+
+
+class _ViewThenMatMul(nn.Module):
+    """A transposed activation, reshaped, which a MatMul's weight gradient reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.w = nn.Parameter(torch.randn(6, 3))
+
+    def forward(self, x):
+        h = self.lin(x).view(-1, 2, 3).transpose(1, 2).reshape(-1, 6)
+        return torch.tanh(h @ self.w)
+
+
+@needs_engine
+def test_forward_returns_the_tensor_a_saved_view_views():
+    """onnxruntime copies a Reshape's output to return it: the forward returns
+    the tensor viewed and the backward takes the view (gradients as torch's)."""
+    torch.manual_seed(0)
+    model = _ViewThenMatMul()
+    x = torch.randn(5, 4)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [True] * 4, x.device, [x]).static_built([x])
+    forward = built.split.forward.graph
+    producer = {o: n for n in forward.node for o in n.output}
+    returned = [o.name for o in forward.output][built.n_primal :]
+    assert returned, "the backward reads no forward tensor"
+    views = [
+        n for n in returned if producer.get(n) is not None and producer[n].op_type == "Reshape"
+    ]
+    assert views == [], views
+    assert "Reshape" in [n.op_type for n in built.split.backward.graph.node]
+
+
+def _counting_builds(monkeypatch) -> list:
+    """Record (static shapes, check only) of each onnxruntime-engine build."""
+    built = []
+    original = _onnxruntime._Built.__init__
+
+    def counting(self, *args, static=None, check_only=False):
+        built.append((static, check_only))
+        original(self, *args, static=static, check_only=check_only)
+
+    monkeypatch.setattr(_onnxruntime._Built, "__init__", counting)
+    return built
+
+
+@needs_engine
+def test_construction_only_checks_and_the_first_call_builds_once(monkeypatch):
+    """OnnxModule(...) runs onnx-ad's reverse pass alone (what cannot be
+    differentiated is still refused there); the graphs that run are built at
+    the first call for its shapes, once, and not the shape-generic ones."""
+    built = _counting_builds(monkeypatch)
+    layer = OnnxModule(_tanh_model(), backend=ORT)
+    assert built == [(None, True)]
+    for _ in range(2):
+        layer(torch.randn(5, 3)).sum().backward()
+    assert built[1:] == [(((5, 3),), False)]
+    assert all(p.grad is not None for p in layer.parameters())
+
+
+@needs_engine
+def test_construction_check_of_a_graph_needing_static_shapes_uses_a_stand_in(monkeypatch):
+    """A depthwise Conv's weight gradient over dynamic heights and widths needs
+    static shapes: the construction's check runs the reverse pass on stand-in
+    shapes, and the first call builds for its own."""
+    built = _counting_builds(monkeypatch)
+    conv = nn.Conv2d(2, 2, 3, padding=1, groups=2)
+    x = torch.randn(4, 2, 6, 5)
+    dims = {0: torch.export.Dim("n", min=1), 2: torch.export.Dim("h", min=2)}
+    dims[3] = torch.export.Dim("w", min=2)
+    layer = OnnxModule(export(conv, (x,), dynamic_shapes=(dims,)), backend=ORT)
+    assert [check for _, check in built] == [True, True]
+    assert built[1][0] == ((2, 2, 2, 2),)  # every dynamic dimension as 2
+    layer(x).sum().backward()
+    assert built[2:] == [(((4, 2, 6, 5),), False)]
+
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"])
+@pytest.mark.parametrize(
+    "axes, keepdims",
+    [([2], 1), ([-2], 0), ([0, 2], 1), ([1, 3], 1), ([1], 1), ([1, 2], 0), ([0], 1), ([0, 1], 0)],
+)
+@pytest.mark.parametrize("opset", [18, 11])
+def test_reductions_take_onnxruntime_fast_paths(op, axes, keepdims, opset):
+    """onnxruntime reduces an axis followed by a unit one slowly: the reduction
+    reads a view without unit axes; a sum over leading axes is a product with
+    a row of ones. The result is the same (up to the order of float
+    additions). Reducing unit axes only is left alone (a view, for
+    collapse_views). Before opset 18 (13 for ReduceSum) the axes are an
+    attribute (TorchScript's LayerNorm backward at opset 17)."""
+    import onnxruntime as ort
+
+    from ortbridge._engines.onnxruntime.passes._reductions import fast_reductions
+
+    shape = [3, 1, 5, 1]
+    if opset >= 18:
+        node = helper.make_node(op, ["x", "axes"], ["y"], keepdims=keepdims)
+        inits = [numpy_helper.from_array(np.array(axes, np.int64), "axes")]
+    else:
+        node, inits = helper.make_node(op, ["x"], ["y"], axes=axes, keepdims=keepdims), []
+    graph = helper.make_graph(
+        [node],
+        "reduce",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = make_model(graph, opset)
+    rewritten = make_model(graph, opset)
+    fast_reductions(rewritten)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, {"x": x})[0]
+
+    expected = run(model)
+    np.testing.assert_allclose(run(rewritten), expected, rtol=1e-6, atol=1e-6)
+    assert run(rewritten).shape == expected.shape
+    ops = [n.op_type for n in rewritten.graph.node]
+    reduced = {a % len(shape) for a in axes if shape[a] != 1}
+    if not reduced:  # unit axes only: untouched
+        assert ops == [op], ops
+    elif op == "ReduceSum" and reduced == {0}:  # the batch axis: a GEMV
+        assert op not in ops and "MatMul" in ops, ops
+    else:
+        (node,) = [n for n in rewritten.graph.node if n.op_type == op]
+        assert node.input[0] != "x", ops  # a view without the unit axes
+
+
+@pytest.mark.parametrize("operand", ["initializer", "Constant", "computed"])
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_one_element_operands_get_the_rank_of_a_result_with_unit_axes(operand, shape):
+    """onnxruntime broadcasts a one-element operand of a lower rank over a
+    tensor with a trailing unit axis (onnx-ad's seed axis) one element at a
+    time, 80x slower than the same element at full rank: the operand is
+    reshaped to (1,) * rank, the result unchanged. A result without unit axes
+    is left alone."""
+    import onnxruntime as ort
+
+    from ortbridge._engines.onnxruntime.passes._optimize import facts
+    from ortbridge._engines.onnxruntime.passes._scalar_operands import full_rank_scalars
+
+    value = np.full(shape, 1.5, np.float32)
+    nodes, inits = [], []
+    if operand == "initializer":
+        inits.append(numpy_helper.from_array(value, "c"))
+    elif operand == "Constant":
+        nodes.append(helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(value)))
+    else:
+        inits.append(numpy_helper.from_array(value, "c0"))
+        nodes.append(helper.make_node("Neg", ["c0"], ["c"]))
+    nodes += [
+        helper.make_node("Div", ["x", "c"], ["y"]),
+        helper.make_node("Mul", ["c", "z"], ["w"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "scalars",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 1]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, 3]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, None),
+        ],
+        inits,
+    )
+    model = make_model(graph)
+    rewritten = make_model(graph)
+    full_rank_scalars(rewritten, facts(rewritten))
+    by_output = {n.output[0]: n for n in rewritten.graph.node}
+    divisor = by_output["y"].input[1]
+    assert divisor != "c"
+    assert facts(rewritten).shapes[divisor] == (1, 1, 1)
+    assert by_output["w"].input[0] == "c"  # (4, 3) has no unit axis: untouched
+    rng = np.random.default_rng(0)
+    feeds = {
+        "x": rng.standard_normal((4, 3, 1)).astype(np.float32),
+        "z": rng.standard_normal((4, 3)).astype(np.float32),
+    }
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, feeds)
+
+    for got, expected in zip(run(rewritten), run(model)):
+        assert got.shape == expected.shape
+        np.testing.assert_array_equal(got, expected)
+
+
+@needs_engine
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_layer_norm_backward_reads_the_forward_statistics(exporter):
+    """The backward of LayerNormalization reads the Mean and InvStdDev its forward
+    node returned instead of computing them again; gradients as torch's. At
+    TorchScript's opset 17 the recomputation's ReduceMeans take their axes as
+    an attribute."""
+    from conftest import export_torchscript
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(5, 6)
+    if exporter == "dynamo":
+        exported = export(model, (x,), dynamic_batch=False)
+    else:
+        exported = export_torchscript(model, (x,))
+    layer = OnnxModule(exported, backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [True] * 7, x.device, [x]).static_built([x])
+    (norm,) = [n for n in built.split.forward.graph.node if n.op_type == "LayerNormalization"]
+    assert set(norm.output[1:]) <= set(built.split.residuals), built.split.residuals
+    ops = [n.op_type for n in built.split.backward.graph.node]
+    assert "ReduceMean" in ops and "Sqrt" not in ops and "Reciprocal" not in ops, ops
+
+
+@needs_engine
+@pytest.mark.parametrize("rows", [(5,), (2, 5), (3, 1, 4), (2, 3, 5)])
+def test_weight_gradient_of_a_linear_is_one_product_in_the_weight_layout(rows):
+    """A Linear on a matrix or on batches of them (one or more batch axes): the
+    weight's gradient is one product ``G^T X`` written in the weight's layout,
+    not ``(X^T G)`` transposed and copied, nor products per batch summed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 4))
+    x = torch.randn(*rows, 6)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [True] * 5, x.device, [x]).static_built([x])
+    backward = built.split.backward.graph
+    producer = {o: n for n in backward.node for o in n.output}
+    for weight in ("0.weight", "2.weight"):
+        (grad,) = [o.name for o in backward.output if o.name == f"adj_{weight}_value"]
+        node = producer[grad]
+        while node.op_type == "Identity":
+            node = producer[node.input[0]]
+        assert node.op_type == "MatMul", (weight, node.op_type)
+    # The only Transposes left turn the output gradients (batch-sized), not weights.
+    transposed = [producer[n.input[0]].op_type for n in backward.node if n.op_type == "Transpose"]
+    assert all(op != "MatMul" for op in transposed), transposed
+
+
+@needs_engine
+def test_first_shapes_get_graphs_of_their_own_then_the_generic_one_runs():
+    layer = OnnxModule(_tanh_model(), backend=ORT)
+    w = layer.onnx_weight("w").detach().clone().requires_grad_()
+    limit = _onnxruntime.SPECIALISED_SHAPES
+    for batch in range(1, limit + 3):
+        layer.zero_grad()
+        w.grad = None
+        x = torch.randn(batch, 3)
+        (layer(x) ** 2).sum().backward()
+        (torch.tanh(x * w) ** 2).sum().backward()
+        torch.testing.assert_close(layer.onnx_weight("w").grad, w.grad)
+    (graph,) = layer._bridge._gradient_graphs.values()
+    assert len(graph._by_shape) == limit and graph._generic_used
+
+
+@needs_engine
+def test_in_place_change_of_a_saved_output_raises():
+    layer = OnnxModule(_tanh_model(), backend=ORT)
+    y = layer(torch.randn(4, 3, requires_grad=True))
+    (graph,) = [g for g in layer._bridge._gradient_graphs.values() if 0 in g.grad_slots]
+    assert graph.save_outputs == [0]  # Tanh's gradient reads its output
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+# -- double backward ----------------------------------------------------------
+
+
+@needs_engine
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: no worker to spin")
+def test_new_sessions_workers_do_not_spin_before_their_first_run():
+    """A pool allowed to spin starts spinning; the engine stops it when it
+    creates the session, so layers just built leave the cores to torch."""
+    import time
+
+    layers = [OnnxModule(linear_model(64, 64), backend=ORT) for _ in range(4)]
+    start = time.process_time()
+    time.sleep(0.05)
+    busy = time.process_time() - start
+    assert busy < 0.005, f"{busy * 1e3:.1f} ms of CPU in 50 ms after building {len(layers)} layers"
+
+
+@needs_engine
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: no worker to spin")
+def test_workers_stop_spinning_when_a_run_returns():
+    """The engine's workers may spin within a run; the CPU time of the process
+    while it sleeps right after backward runs shows none left spinning (one
+    would take about all of it), so torch has the cores between runs."""
+    import time
+
+    layer = OnnxModule(linear_model(64, 64), backend=ORT)
+    x = torch.randn(32, 64)
+    grad = torch.ones_like(layer(x))
+    graph = next(iter(layer._bridge._gradient_graphs.values()))
+    tensors = [x, *(p.detach() for p in layer.parameters())]
+    outputs, residuals, token = graph.forward(tensors)
+    saved = {i: outputs[i] for i in graph.save_outputs}
+
+    def busy_while_sleeping() -> float:
+        """Mean CPU time of the process in 5 ms sleeps, each right after a run."""
+        total = 0.0
+        for _ in range(10):
+            graph.backward([grad], token, residuals, tensors, saved)
+            start = time.process_time()
+            time.sleep(0.005)
+            total += time.process_time() - start
+        return total / 10
+
+    # The least of a few rounds: other threads of the process (earlier tests',
+    # torch's) may be busy for a while, a worker left spinning is in every one.
+    least = min(busy_while_sleeping() for _ in range(4))
+    assert least < 0.002, f"{least * 1e3:.2f} ms of CPU in each 5 ms sleep after a run"
+
+
+# Under "auto" in the training build's environment the training agent runs the
+# first-order steps; a backward that must be differentiable runs on the
+# onnxruntime engine's twin of the graph.
+@needs_engine
+@pytest.mark.parametrize("engine", [ORT, "auto"])
+def test_gradient_penalty_matches_torch(engine):
+    model, layer = _mlp64(engine)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for net in (model, layer):
+        xi = x.clone().requires_grad_()
+        out = net(xi)
+        (gx,) = torch.autograd.grad(out.sum(), xi, create_graph=True)
+        loss = out.pow(2).mean() + (gx.norm(dim=1) - 1).pow(2).mean()
+        loss.backward()
+    params = dict(model.named_parameters())
+    for name, p in layer.named_onnx_parameters():
+        torch.testing.assert_close(p.grad, params[name].grad, rtol=1e-10, atol=1e-12)
+
+
+@needs_engine
+@pytest.mark.parametrize("engine", [ORT, "auto"])
+def test_hessian_vector_product_matches_torch(engine):
+    model, layer = _mlp64(engine)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    v = torch.randn(5, 4, dtype=torch.float64)
+    _, ref = torch.autograd.functional.hvp(lambda t: model(t).pow(3).sum(), x, v)
+    _, ours = torch.autograd.functional.hvp(lambda t: layer(t).pow(3).sum(), x, v)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.engines("training-agent")
+def test_training_agent_refuses_double_backward(backend):
+    layer = OnnxModule(_tanh_model(), backend=backend)
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(OrtBridgeError, match="double backward .* backend='onnxruntime'"):
+        torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+    (gx,) = torch.autograd.grad(layer(x).sum(), x)  # first order still works
+    assert gx.shape == x.shape
+
+
+@pytest.mark.skipif(not _ort.has_training(), reason="needs onnxruntime-training")
+@needs_engine
+def test_auto_refuses_double_backward_that_a_second_run_would_change():
+    """Train mode with BatchNormalization: running the step again on the
+    onnxruntime engine would update the running statistics twice."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh())
+    layer = OnnxModule(export(model, (torch.randn(5, 3),)))
+    assert layer.backend == "training-agent"
+    x = torch.randn(5, 3, requires_grad=True)
+    with pytest.raises(OrtBridgeError, match="not in train mode with BatchNormalization"):
+        torch.autograd.grad(layer.train()(x).sum(), x, create_graph=True)
+
+
+# -- Dropout from torch's generator -------------------------------------------
+
+
+@needs_engine
+def test_dropout_masks_come_from_torch_generator():
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.4), nn.Linear(32, 2))
+    layer = OnnxModule(export(model.train(), (torch.randn(3, 6),)), backend=ORT).train()
+    x = torch.randn(7, 6)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        layer.zero_grad()
+        out = layer(x)
+        out.sum().backward()
+        runs.append((out.detach(), layer.onnx_weight("0.weight").grad.clone()))
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+    torch.manual_seed(12)
+    assert not torch.equal(layer(x).detach(), runs[0][0])
+
+
+# -- torch layers the training build cannot train -----------------------------
+
+
+class _UpBlock(nn.Module):
+    """A UNet decoder step: ConvTranspose, GroupNorm, Upsample, PixelShuffle."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(4, 4, 2, stride=2)
+        self.norm = nn.GroupNorm(2, 4)
+        self.resize = nn.Upsample(scale_factor=2, mode="bilinear")
+        self.shuffle = nn.PixelShuffle(2)
+
+    def forward(self, x):
+        return self.shuffle(self.resize(torch.relu(self.norm(self.up(x)))))
+
+
+class _Misc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+        self.p = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        y = torch.einsum("bi,ij->bj", x, self.w).cumsum(1)
+        return y.abs().pow(self.p) + y.amax(dim=1, keepdim=True)
+
+
+class _Recurrent(nn.Module):
+    """A recurrent layer whose outputs are flat (sequence, last hidden state)."""
+
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):
+        out, hidden = self.rnn(x)
+        return out, hidden[0] if isinstance(hidden, tuple) else hidden
+
+
+_LAYERS = {
+    "lstm-bidirectional-2-layers": (
+        lambda: _Recurrent(nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True)),
+        (2, 5, 3),
+    ),
+    "gru": (lambda: _Recurrent(nn.GRU(3, 4, batch_first=True)), (2, 5, 3)),
+    "rnn": (lambda: _Recurrent(nn.RNN(3, 4, batch_first=True)), (2, 5, 3)),
+    "unet-up-block": (_UpBlock, (2, 4, 3, 3)),
+    "instance-norm": (lambda: nn.InstanceNorm1d(3, affine=True), (2, 3, 6)),
+    "conv-transpose-1d": (lambda: nn.ConvTranspose1d(3, 2, 4, stride=2, padding=1), (2, 3, 7)),
+    "einsum-cumsum-amax-pow": (_Misc, (4, 3)),
+    "conv-same-even-kernel": (lambda: nn.Conv2d(2, 3, 4, padding="same"), (2, 2, 6, 6)),
+}
+
+
+#: What the training build's builder crashes on, refuses or gets wrong: "auto"
+#: must route these to the onnxruntime engine. (Conv with auto_pad=SAME_*, which
+#: TorchScript writes for padding="same", is rewritten with explicit pads and
+#: stays on the training agent.)
+_TRAINING_BUILD_CANNOT = {
+    ("lstm-bidirectional-2-layers", "dynamo"),
+    ("lstm-bidirectional-2-layers", "torchscript"),
+    ("unet-up-block", "dynamo"),
+    ("unet-up-block", "torchscript"),
+    ("conv-transpose-1d", "dynamo"),
+    ("conv-transpose-1d", "torchscript"),
+}
+
+
+@needs_engine
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("name", list(_LAYERS))
+def test_torch_layers_train_with_torch_gradients(name, exporter):
+    factory, shape = _LAYERS[name]
+    torch.manual_seed(0)
+    model = factory().eval()
+    x = torch.randn(*shape)
+    if exporter == "dynamo":
+        proto = export(model, (x,), dynamic_batch=False)
+    else:
+        proto = _export_torchscript(model, x)
+    layer = OnnxModule(proto)
+    if _ort.has_training() and (name, exporter) in _TRAINING_BUILD_CANNOT:
+        assert layer.backend == ORT, layer.backend_reason
+    _compare(model, layer, x)
+
+
+def _compare(model, layer, x):
+    """Outputs, the input's gradient, and each weight's gradient found by name.
+
+    The TorchScript exporter renames (and for GRU/RNN repacks) recurrent
+    weights: those are checked through the input gradient and the outputs.
+    """
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [net(xi) for net, xi in zip((model, layer), xs)]
+    ref, ours = (o if isinstance(o, tuple) else (o,) for o in outs)
+    assert len(ref) == len(ours)
+    for r, o in zip(ref, ours):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5)
+    for out in (ref, ours):
+        sum((o.float() ** 2).sum() for o in out).backward()
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-4, atol=1e-5)
+    params = dict(model.named_parameters())
+    matched = 0
+    for name, param in layer.named_onnx_parameters():
+        if name in params:
+            torch.testing.assert_close(param.grad, params[name].grad, rtol=1e-4, atol=1e-5)
+            matched += 1
+    assert matched or not params or any("onnx::" in n for n, _ in layer.named_onnx_parameters())
+
+
+def _export_torchscript(model, x):
+    import io
+    import warnings
+
+    import onnx
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), buffer, dynamo=False, opset_version=17)
+    return onnx.load_from_string(buffer.getvalue())
+
+
+@needs_engine
+@pytest.mark.parametrize("dims", [[2, 3, 7, 7], ["N", 3, "H", "W"]], ids=["static", "dynamic"])
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+def test_average_pool_with_pads_trains_as_torch(count_include_pad, dims):
+    # Pads and strides together: torch's gradient on whichever engine "auto"
+    # picks (tests/engines/test_builder_limits.py checks the training build itself).
+    # Dynamic sizes without a Conv form (count_include_pad=0): a crash of the
+    # training build's AveragePoolGrad, which no rule may apply to the other
+    # engine; auto trains it there.
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["x", "w"], ["xw"]),
+            helper.make_node(
+                "AveragePool",
+                ["xw"],
+                ["y"],
+                kernel_shape=[3, 3],
+                strides=[2, 2],
+                pads=[1, 1, 1, 1],
+                count_include_pad=count_include_pad,
+            ),
+        ],
+        "pool",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.linspace(0.5, 1.5, 3).reshape(3, 1, 1).astype("f4"), "w")],
+    )
+    layer = OnnxModule(make_model(graph))
+    x = torch.randn(2, 3, 7, 7)
+    w = layer.onnx_weight("w").detach().clone().requires_grad_()
+    ref = torch.nn.functional.avg_pool2d(
+        x * w, 3, 2, padding=1, count_include_pad=bool(count_include_pad)
+    )
+    out = layer(x)
+    torch.testing.assert_close(out, ref)
+    (ref**2).sum().backward()
+    (out**2).sum().backward()
+    torch.testing.assert_close(layer.onnx_weight("w").grad, w.grad)
+
+
+@needs_engine
+@pytest.mark.parametrize("relu", [False, True], ids=["pool", "relu_pool"])
+@pytest.mark.parametrize("size", [(8, 8), (9, 7)], ids=["even", "odd"])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_max_pool_gradient_follows_torch_also_on_ties(ties, size, relu):
+    """The first maximum of a window in scan order gets the gradient, as in torch;
+    a non-overlapping pool's gradient needs no indices (``passes/_pool_grad.py``),
+    and a ReLU before it is masked at the pooled size."""
+    layers = [nn.Conv2d(2, 3, 3, padding=1), nn.ReLU()] if relu else [nn.Conv2d(2, 3, 3, padding=1)]
+    model = nn.Sequential(*layers, nn.MaxPool2d(2), nn.Flatten())
+    x = torch.randn(4, 2, *size)
+    if ties:
+        with torch.no_grad():  # integer weights and inputs: many equal values (and zeros)
+            model[0].weight.copy_(torch.randint(-1, 2, model[0].weight.shape).float())
+            model[0].bias.zero_()
+        x = torch.randint(0, 2, x.shape).float()
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [False, True, True], x.device, [x])
+    nodes = built.static_built([x]).split.backward.graph.node
+    ops = [n.op_type for n in nodes]
+    # The rewrite ran: no index scatter, no layout moves, the pool and the tie-break pool.
+    assert "ScatterND" not in ops and "DepthToSpace" not in ops, ops
+    assert ops.count("MaxPool") == 2, ops
+    if relu:  # the ReLU's mask compares the pooled maximum, not the input
+        pooled = {n.output[0] for n in nodes if n.op_type == "MaxPool"}
+        greater = [n for n in nodes if n.op_type == "Greater"]
+        assert greater and all(n.input[0] in pooled for n in greater), greater
+
+
+@needs_engine
+@pytest.mark.parametrize("after", ["conv", "flatten_linear"])
+def test_max_pool_gradient_reads_the_forward_maximum_where_it_is_kept(after):
+    """Where the next layer's weight gradient keeps the pool's output (or its
+    flattened view), the pool's gradient reads it instead of pooling again;
+    ties included, the gradients stay torch's."""
+    if after == "conv":
+        head = [nn.Conv2d(3, 2, 3), nn.Flatten()]
+    else:
+        head = [nn.Flatten(), nn.Linear(48, 2)]
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), *head)
+    with torch.no_grad():  # integer weights and inputs: ties in the windows
+        model[0].weight.copy_(torch.randint(-1, 2, model[0].weight.shape).float())
+        model[0].bias.zero_()
+    x = torch.randint(0, 2, (4, 2, 8, 8)).float()
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [False] + [True] * 4, x.device, [x])
+    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    assert "ScatterND" not in ops and ops.count("MaxPool") == 1, ops  # the tie-break only
+
+
+@needs_engine
+@pytest.mark.parametrize("at", [(2, 2), (2, 3), (3, 2), (3, 3)])
+def test_max_pool_gradient_of_a_window_holding_nan_follows_the_forward(at):
+    """onnxruntime's MaxPool may skip a NaN (torch returns it): the gradient goes
+    where the forward's value came from, or nowhere where that value is NaN (no
+    window-wide tie-break hands it to every position). Other windows as torch."""
+    model = nn.Sequential(nn.MaxPool2d(2), nn.Flatten())
+    x = torch.randn(2, 3, 6, 6)
+    x[1, 2, at[0], at[1]] = float("nan")
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    seed = torch.randn(2, 3 * 9)
+    out = layer(ours)
+    out.backward(seed)
+    model(theirs).backward(seed)
+    window = torch.zeros_like(x, dtype=torch.bool)
+    window[1, 2, 2:4, 2:4] = True
+    torch.testing.assert_close(ours.grad[~window], theirs.grad[~window])
+    value, got = out[1, 22].item(), ours.grad[1, 2, 2:4, 2:4].flatten()
+    expected = torch.zeros(4)
+    if value == value:  # not NaN: the first position holding it
+        expected[(x[1, 2, 2:4, 2:4].flatten() == value).nonzero()[0]] = seed[1, 22]
+    torch.testing.assert_close(got, expected)
+
+
+def test_reverse_sequence_with_an_empty_sequence_keeps_its_row():
+    # onnxruntime 1.19.2 leaves the row of a length-0 sequence unwritten
+    # (uninitialised memory); ortbridge clamps the lengths to 1, which
+    # reverses the same. Checked against torch for output, gradient and eval.
+    node = helper.make_node("ReverseSequence", ["x", "lens"], ["y"], batch_axis=0, time_axis=1)
+    graph = helper.make_graph(
+        [node],
+        "reverse_sequence",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 5]),
+            helper.make_tensor_value_info("lens", TensorProto.INT64, [4]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 5])],
+    )
+    module = OnnxModule(make_model(graph, opset=13))
+    lens = torch.tensor([0, 1, 3, 5])
+    x = torch.randn(4, 5, requires_grad=True)
+    seed = torch.randn(4, 5)
+
+    def reference(t):
+        rows = [torch.cat([r[:n].flip(0), r[n:]]) for r, n in zip(t, lens.tolist())]
+        return torch.stack(rows)
+
+    y = module(x, lens)
+    torch.testing.assert_close(y, reference(x.detach()))
+    y.backward(seed)
+    torch.testing.assert_close(x.grad, reference(seed))
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(module(x, lens), reference(x.detach()))
+
+
+@needs_engine
+def test_gather_adjoints_of_an_unbind_are_one_concat():
+    """q, k and v taken out of one in-projection (three Gathers): their adjoints,
+    three scatters into zeros and a Sum, become one Concat; gradients as torch's."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    x = torch.randn(3, 5, 8)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    needs = [True] + [True] * len(list(layer.named_onnx_parameters()))
+    built = layer._bridge.gradient_graph("train", needs, x.device, [x])
+    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    assert "ScatterND" not in ops and "Concat" in ops, ops
+
+
+@pytest.mark.parametrize(
+    "pads, tiles",
+    [
+        ([[0, 3, 0, 0], [0, 0, 0, 2], [0, 2, 0, 1]], True),  # out of order, one axis
+        ([[0, 0, 0, 2], [0, 1, 0, 0]], False),  # overlap
+        ([[0, 0, 0, 2], [0, 3, 0, 0]], False),  # a gap
+        ([[0, 0, 0, 3], [1, 2, 0, 0]], False),  # two axes padded
+    ],
+)
+def test_zero_pads_tiling_one_axis_sum_as_a_concat(pads, tiles):
+    """A Sum of zero Pads (the adjoints of Slices) whose pieces tile one axis,
+    each once, is their Concat; anything else is left as it was."""
+    import onnxruntime as ort
+
+    from ortbridge._engines.onnxruntime.passes._scatter_sums import concat_scatter_sums
+
+    rng = np.random.default_rng(0)
+    feeds, nodes, inits, summed = {}, [], [], []
+    for i, p in enumerate(pads):
+        shape = [2 - p[0] - p[2], 4 - p[1] - p[3]]
+        feeds[f"x{i}"] = rng.standard_normal(shape).astype(np.float32)
+        inits.append(numpy_helper.from_array(np.array(p, np.int64), f"p{i}"))
+        nodes.append(helper.make_node("Pad", [f"x{i}", f"p{i}"], [f"y{i}"]))
+        summed.append(f"y{i}")
+    graph = helper.make_graph(
+        [*nodes, helper.make_node("Sum", summed, ["out"])],
+        "tiles",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape) for k, v in feeds.items()],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 4])],
+        inits,
+    )
+    model, rewritten = make_model(graph), make_model(graph)
+    concat_scatter_sums(rewritten)
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, feeds)[0]
+
+    np.testing.assert_array_equal(run(rewritten), run(model))
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert ops == (["Concat"] if tiles else ["Pad"] * len(pads) + ["Sum"]), ops
+
+
+@needs_engine
+def test_lstm_gate_slices_adjoints_are_concats():
+    """An LSTM's weights are cut into four gates (Slices): their adjoints, zero
+    Pads summed, become Concats; gradients as torch's."""
+
+    class Lstm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(3, 4, batch_first=True)
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    torch.manual_seed(0)
+    model = Lstm()
+    x = torch.randn(2, 5, 3)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    needs = [True] * (1 + len(list(layer.named_onnx_parameters())))
+    built = layer._bridge.gradient_graph("train", needs, x.device, [x])
+    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    assert "Pad" not in ops and "Concat" in ops, ops
+
+
+@needs_engine
+def test_rewritten_backward_keeps_no_unread_initializer():
+    """The pool and convolution rewrites leave the index path's constants unread:
+    they are dropped, not loaded (onnxruntime would warn about each)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+    x = torch.randn(3, 1, 10, 10)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    layer(x).sum().backward()
+    built = layer._bridge.gradient_graph("train", [False, True, True], x.device, [x])
+    graph = built.static_built([x]).split.backward.graph
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    assert [i.name for i in graph.initializer if i.name not in read] == []
+
+
+def _softmax_graph(nan_masked: bool):
+    """x (4, 5) -> Softmax -> [Where(IsNaN(y), 0, y)] -> MatMul w (5, 3)."""
+    nodes = [helper.make_node("Softmax", ["x"], ["y"], axis=-1)]
+    read = "y"
+    if nan_masked:  # the exporters' NaN-robust attention: a masked row's output is 0
+        nodes += [
+            helper.make_node("IsNaN", ["y"], ["nan"]),
+            helper.make_node("Where", ["nan", "zero", "y"], ["clean"]),
+        ]
+        read = "clean"
+    nodes.append(helper.make_node("MatMul", [read, "w"], ["out"]))
+    inits = [
+        numpy_helper.from_array(np.zeros((), np.float64), "zero"),
+        numpy_helper.from_array(np.random.default_rng(0).normal(size=(5, 3)), "w"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "softmax",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4, 5])],
+        [helper.make_tensor_value_info("out", TensorProto.DOUBLE, [4, 3])],
+        inits,
+    )
+    return make_model(graph)
+
+
+@needs_engine
+@pytest.mark.parametrize("nan_masked", [False, True], ids=["unmasked", "nan_masked"])
+def test_softmax_masked_row_correction_only_where_a_node_can_mask_it(nan_masked):
+    """A fully masked row (all -inf) is NaN after Softmax. Masked further on, its
+    derivative is 0 (``_engines/onnxruntime/_rules.py`` corrects onnx-ad's NaN); where nothing
+    can mask it, torch's softmax backward is NaN too and the costly correction
+    (IsNaN + Where over the output) is not built."""
+    layer = OnnxModule(_softmax_graph(nan_masked), backend=ORT)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    x[2] = float("-inf")
+    ours = x.clone().requires_grad_()
+    seed = torch.randn(4, 3, dtype=torch.float64)
+    layer(ours).backward(seed)
+    w = layer.onnx_weight("w").detach()
+    theirs = x.clone().requires_grad_()
+    y = torch.softmax(theirs, -1)
+    if nan_masked:
+        y = torch.where(torch.isnan(y), 0.0, y)
+    (y @ w).backward(seed)
+    rows = [0, 1, 3]
+    torch.testing.assert_close(ours.grad[rows], theirs.grad[rows])
+    if nan_masked:
+        assert not ours.grad[2].any()
+    else:
+        assert torch.isnan(ours.grad[2]).all() and torch.isnan(theirs.grad[2]).all()
+    built = layer._bridge.gradient_graph("train", [True, False], x.device, [x])
+    ops = {n.op_type for n in built.static_built([x]).split.backward.graph.node}
+    assert ("IsNaN" in ops) == nan_masked, ops
+
+
+def test_backward_graph_opset_raised_to_18_where_exact():
+    """A backward graph of opset 17 reads as opset 18 (Col2Im's, for the input
+    gradient of a convolution) where each node means the same: reductions'
+    axes attributes become inputs, the values are unchanged; a graph holding
+    an op whose schema changed (Split) keeps its opset."""
+    import onnxruntime as ort
+
+    from ortbridge._engines.onnxruntime.passes._opset18 import raise_to_opset18
+
+    def model(extra=()):
+        nodes = [
+            helper.make_node("ReduceMean", ["x"], ["m"], axes=[1], keepdims=1),
+            helper.make_node("Sub", ["x", "m"], ["y"]),
+            *extra,
+        ]
+        outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])]
+        graph = helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])], outputs
+        )
+        return make_model(graph, 17)
+
+    raised = model()
+    assert raise_to_opset18(raised)
+    onnx.checker.check_model(raised, full_check=True)
+    assert raised.opset_import[0].version == 18
+    (mean,) = [n for n in raised.graph.node if n.op_type == "ReduceMean"]
+    assert len(mean.input) == 2 and not [a for a in mean.attribute if a.name == "axes"]
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, {"x": x})[0]
+
+    np.testing.assert_array_equal(run(raised), run(model()))
+    kept = model([helper.make_node("Split", ["y"], ["a", "b"], axis=0)])
+    assert not raise_to_opset18(kept)
+    assert kept.opset_import[0].version == 17
+
+
+@needs_engine
+@pytest.mark.parametrize(
+    "activation, fused, spelled, fewer",
+    [(nn.GELU, "Gelu", "Erf", 2), (nn.SiLU, "QuickGelu", "Sigmoid", 1)],
+    ids=["gelu", "silu"],
+)
+def test_activation_runs_as_one_kernel_and_saves_its_input_only(
+    activation, fused, spelled, fewer, monkeypatch
+):
+    """TorchScript spells nn.GELU() out (Div, Erf, Add, Mul, Mul) and nn.SiLU()
+    (Sigmoid, Mul): the forward runs each as one onnxruntime kernel and the
+    backward reads its input alone, as torch's does, with torch's gradients
+    (GELU: x / sqrt(2) and 1 + erf no longer kept; SiLU: the sigmoid); a
+    float64 one (the kernels are float32's) stays spelled out."""
+    from conftest import export_torchscript
+
+    from ortbridge._engines.onnxruntime.passes._fused_activations import fused_activations
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), activation(), nn.Linear(16, 3))
+    x = torch.randn(5, 6)
+    exported = export_torchscript(net, (x,))
+    layer = OnnxModule(exported, backend=ORT)
+    _compare(net, layer, x)
+    graph = list(layer._bridge._gradient_graphs.values())[-1].static_built([x])
+    ops = [(n.domain, n.op_type) for n in graph.split.forward.graph.node]
+    assert ("com.microsoft", fused) in ops and ("", spelled) not in ops, ops
+    from ortbridge._engines.onnxruntime.passes import _pipeline
+
+    monkeypatch.setattr(_pipeline, "fused_activations", lambda model: 0)
+    spelled_out = OnnxModule(exported, backend=ORT)
+    size = x.shape[0] * 16 * 4  # bytes of one (5, 16) float32 tensor
+    ours = x.clone().requires_grad_()
+    assert saved_bytes(spelled_out, ours) - saved_bytes(layer, ours) == fewer * size
+
+    double = export_torchscript(net.double(), (x.double(),))
+    assert fused_activations(double) == 0 and spelled in [n.op_type for n in double.graph.node]
+
+
+def test_gelu_spelled_with_the_half_first_and_a_product_by_one_over_sqrt2_is_fused():
+    """0.5 * x first, x * 0.7071 inside the Erf: the same GELU, one node, the
+    same values; an intermediate read elsewhere keeps the graph as it is."""
+    import onnxruntime as ort
+
+    from ortbridge._engines.onnxruntime.passes._fused_activations import fused_activations
+
+    def model(extra_output=False):
+        scalar = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731
+        nodes = [
+            helper.make_node("Mul", ["x", "c"], ["d"]),
+            helper.make_node("Erf", ["d"], ["e"]),
+            helper.make_node("Add", ["one", "e"], ["a"]),
+            helper.make_node("Mul", ["half", "x"], ["h"]),
+            helper.make_node("Mul", ["h", "a"], ["y"]),
+        ]
+        outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3])]
+        if extra_output:
+            outputs.append(helper.make_tensor_value_info("e", TensorProto.FLOAT, [4, 3]))
+        graph = helper.make_graph(
+            nodes,
+            "gelu",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+            outputs,
+            [scalar("c", 0.70710678), scalar("one", 1.0), scalar("half", 0.5)],
+        )
+        return make_model(graph)
+
+    fused = model()
+    assert fused_activations(fused) == 1
+    assert [(n.domain, n.op_type) for n in fused.graph.node] == [("com.microsoft", "Gelu")]
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(["y"], {"x": x})[0]
+
+    np.testing.assert_allclose(run(fused), run(model()), rtol=1e-6, atol=1e-6)
+    kept = model(extra_output=True)
+    assert fused_activations(kept) == 0 and len(kept.graph.node) == 5
