@@ -289,6 +289,7 @@ def main(argv=None) -> int:
         "batch": args.batch,
         "rows": rows,
     }
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"bench_zoo{suffix}.json"), "w") as f:
         json.dump(record, f, indent=1)
     plot(rows, os.path.join(args.out, f"bench_zoo{suffix}.png"))
@@ -306,8 +307,9 @@ def _main_build_profile(args) -> int:
         print(f"{name}: construction {row['construction_s']:.2f} s, "
               f"first step {row['first_step_s']:.2f} s", flush=True)  # fmt: skip
         for label, seconds in row["stages_s"].items():
-            print(f"    {label:44s} {seconds:7.2f} s")
+            print(f"    {label:58s} {seconds:6.3f} s")
     suffix = "_training_env" if _ort.has_training() else ""
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_zoo_build{suffix}.json")
     with open(path, "w") as f:
         json.dump({"onnxruntime": _ort.runtime().__version__, "rows": rows}, f, indent=1)

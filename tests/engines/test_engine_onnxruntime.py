@@ -310,12 +310,13 @@ def _counting_builds(monkeypatch) -> list:
 
 @needs_engine
 def test_construction_only_checks_and_the_first_call_builds_once(monkeypatch):
-    """OnnxModule(...) runs onnx-ad's reverse pass alone (what cannot be
-    differentiated is still refused there); the graphs that run are built at
-    the first call for its shapes, once, and not the shape-generic ones."""
+    """OnnxModule(...) runs onnx-ad's reverse pass alone, on a stand-in shape
+    (what cannot be differentiated is still refused there); the graphs that
+    run are built at the first call for its shapes, once, and not the
+    shape-generic ones."""
     built = _counting_builds(monkeypatch)
     layer = OnnxModule(_tanh_model(), backend=ORT)
-    assert built == [(None, True)]
+    assert built == [(((2, 3),), True)]
     for _ in range(2):
         layer(torch.randn(5, 3)).sum().backward()
     assert built[1:] == [(((5, 3),), False)]
@@ -326,17 +327,45 @@ def test_construction_only_checks_and_the_first_call_builds_once(monkeypatch):
 def test_construction_check_of_a_graph_needing_static_shapes_uses_a_stand_in(monkeypatch):
     """A depthwise Conv's weight gradient over dynamic heights and widths needs
     static shapes: the construction's check runs the reverse pass on stand-in
-    shapes, and the first call builds for its own."""
+    shapes, once (no shape-generic pass runs until it fails), and the first
+    call builds for its own."""
     built = _counting_builds(monkeypatch)
     conv = nn.Conv2d(2, 2, 3, padding=1, groups=2)
     x = torch.randn(4, 2, 6, 5)
     dims = {0: torch.export.Dim("n", min=1), 2: torch.export.Dim("h", min=2)}
     dims[3] = torch.export.Dim("w", min=2)
     layer = OnnxModule(export(conv, (x,), dynamic_shapes=(dims,)), backend=ORT)
-    assert [check for _, check in built] == [True, True]
-    assert built[1][0] == ((2, 2, 2, 2),)  # every dynamic dimension as 2
+    assert built == [(((2, 2, 2, 2),), True)]  # every dynamic dimension as 2
     layer(x).sum().backward()
-    assert built[2:] == [(((4, 2, 6, 5),), False)]
+    assert built[1:] == [(((4, 2, 6, 5),), False)]
+
+
+@needs_engine
+def test_construction_check_falls_back_to_the_shape_generic_graph(monkeypatch):
+    """A graph no stand-in shape builds is checked shape-generic (and accepted
+    where that works); where that needs static shapes too, the stand-in's
+    error is the one raised."""
+    built = _counting_builds(monkeypatch)
+    original = _onnxruntime._Built.__init__
+
+    def no_stand_in(self, *args, static=None, check_only=False):
+        if static is not None:
+            raise NotDifferentiableError(f"stand-in {static}")
+        original(self, *args, static=static, check_only=check_only)
+
+    monkeypatch.setattr(_onnxruntime._Built, "__init__", no_stand_in)
+    layer = OnnxModule(_tanh_model(), backend=ORT)  # accepted: the generic graph works
+    assert layer(torch.randn(5, 3)).shape == (5, 3)
+
+    conv = nn.Conv2d(2, 2, 3, padding=1, groups=2)
+    x = torch.randn(4, 2, 6, 5)
+    dims = {0: torch.export.Dim("n", min=1), 2: torch.export.Dim("h", min=2)}
+    dims[3] = torch.export.Dim("w", min=2)
+    with pytest.raises(NotDifferentiableError, match=r"stand-in \(\(32, 2, 32, 32\),\)"):
+        OnnxModule(export(conv, (x,), dynamic_shapes=(dims,)), backend=ORT)
+    # What reached the engine: the tanh graph's generic check and (its call's
+    # static build refused) generic graphs; the Conv's generic check.
+    assert built == [(None, True), (None, False), (None, True)]
 
 
 @pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"])

@@ -53,3 +53,43 @@ def test_every_pass_has_a_known_stage_and_a_unique_name():
     # The view collapsing runs after every pass that leaves views behind.
     backward = [one.name for one in passes.PASSES if one.stage == passes.BACKWARD]
     assert backward.index("views collapsed") > backward.index("Scan outputs without copies")
+
+
+def test_view_simplification_infers_shapes_once(monkeypatch):
+    """The view rounds share one shape inference (each round keeps the names and
+    shapes of what it rewrites and records those it adds), and change no value."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    from ortbridge._engines.onnxruntime.passes import _simplify
+
+    # y = ((x viewed with a unit axis) * (w viewed with one)), summed, viewed back.
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3])
+    shape = numpy_helper.from_array(np.array([4, 3, 1], np.int64), "shape")
+    back = numpy_helper.from_array(np.array([4, 3], np.int64), "back")
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3), "w")
+    nodes = [
+        helper.make_node("Reshape", ["x", "shape"], ["xv"]),
+        helper.make_node("Reshape", ["w", "shape"], ["wv"]),
+        helper.make_node("Mul", ["xv", "wv"], ["p"]),
+        helper.make_node("Add", ["p", "xv"], ["q"]),
+        helper.make_node("Reshape", ["q", "back"], ["y"]),
+    ]
+    model = helper.make_model(
+        helper.make_graph(nodes, "views", [x], [y], [shape, back, w]),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    feed = {"x": np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)}
+    want = ReferenceEvaluator(model).run(None, feed)[0]
+    calls = []
+    original = _simplify._shapes
+    monkeypatch.setattr(_simplify, "_shapes", lambda m: calls.append(1) or original(m))
+    simplified = onnx.ModelProto()
+    simplified.CopyFrom(model)
+    _simplify.simplify(simplified)
+    assert len(calls) == 1
+    assert [n.op_type for n in simplified.graph.node].count("Reshape") < 3
+    np.testing.assert_array_equal(ReferenceEvaluator(simplified).run(None, feed)[0], want)

@@ -124,14 +124,26 @@ class OrtGradientGraph:
 
     def _checked(self):
         """A check that the graph can be differentiated: the reverse pass alone,
-        shape-generic or on a stand-in (:meth:`_on_stand_in`)."""
+        on a stand-in shape (:meth:`_on_stand_in`), else shape-generic.
+
+        The stand-in first: the first call builds static graphs anyway, and
+        most graphs need them (a Conv's input gradient does), where a
+        shape-generic reverse pass would run until it fails. A graph the
+        stand-in cannot build is checked shape-generic; if that needs static
+        shapes too, the stand-in's error is the one raised.
+        """
         try:
-            return _Built(*self._args, self._batch_norms, check_only=True)
-        except _NeedsStaticShapes:
-            self._built = False
-        return self._on_stand_in(
-            lambda shapes: _Built(*self._args, self._batch_norms, static=shapes, check_only=True)
-        )
+            return self._on_stand_in(
+                lambda shapes: _Built(
+                    *self._args, self._batch_norms, static=shapes, check_only=True
+                )
+            )
+        except Exception as on_stand_in:
+            try:
+                return _Built(*self._args, self._batch_norms, check_only=True)
+            except _NeedsStaticShapes:
+                self._built = False
+                raise on_stand_in from None
 
     def _on_stand_in(self, build):
         """``build(shapes)`` for dynamic dimensions of 2, or of

@@ -47,17 +47,25 @@ _MAX_PASSES = 3
 
 def simplify(model: onnx.ModelProto) -> None:
     """Apply every rewrite of this module to ``model``'s main graph in place."""
-    collapse_views(model)
+    # One shape inference for every round: the rewrites keep each tensor's
+    # name and shape and record the shapes of the tensors they add.
+    shapes = _shapes(model)
+    if shapes is None:
+        return
+    collapse_views(model, shapes)
     for _ in range(_MAX_PASSES):  # a lifted view may be lifted again by the next node
-        if not _lift_views(model):
+        if not _lift_views(model, shapes):
             break
-        collapse_views(model)
+        collapse_views(model, shapes)
     merge_duplicates(model.graph)
 
 
-def collapse_views(model: onnx.ModelProto) -> None:
-    """Chains of views as one view, ``ReduceSum`` over unit axes as a view (in place)."""
-    shapes = _shapes(model)
+def collapse_views(model: onnx.ModelProto, shapes: dict | None = None) -> None:
+    """Chains of views as one view, ``ReduceSum`` over unit axes as a view (in place).
+
+    ``shapes``: every tensor's, where the caller knows them (inferred if not).
+    """
+    shapes = _shapes(model) if shapes is None else shapes
     if shapes is None:
         return
     graph = model.graph
@@ -210,11 +218,9 @@ def _live(nodes: list, outputs: set) -> list:
 _ELEMENTWISE = frozenset({"Mul", "Add", "Sub", "Div", "Sum"})
 
 
-def _lift_views(model: onnx.ModelProto) -> bool:
-    """Move views below the elementwise ops and MatMuls that read them; True if any moved."""
-    shapes = _shapes(model)
-    if shapes is None:
-        return False
+def _lift_views(model: onnx.ModelProto, shapes: dict) -> bool:
+    """Move views below the elementwise ops and MatMuls that read them; True if any
+    moved. ``shapes`` gets the shapes of the tensors it adds."""
     graph = model.graph
     taken = _all_names(graph)
     producer = {o: n for n in graph.node for o in n.output}
