@@ -1,4 +1,4 @@
-"""Making onnxruntime sessions: the one factory every session comes from.
+"""Making onnxruntime sessions: the one factory the engines and training use.
 
 :func:`make_session` makes each ``InferenceSession`` ortbridge runs, on the
 device asked for (a CUDA device without a working CUDA provider is an error,
@@ -178,7 +178,9 @@ def make_session(
 ):
     """An ``InferenceSession`` of ``model`` (a ModelProto or its bytes) on ``device``.
 
-    Every session ortbridge runs comes from here. ``providers`` defaults to
+    Every session the engines, the bridge and the training helpers run
+    comes from here (the op-coverage harness's reference sessions and the
+    demo's inference are plain onnxruntime on purpose). ``providers`` defaults to
     the device's (:func:`providers_for`); ``disabled`` names onnxruntime
     optimisers kept off; ``what`` names the graph in errors, and ``graph``
     (when ``model`` is bytes) is the graph they cite. A CUDA device whose
