@@ -24,12 +24,10 @@ from ._threads import start_pinned
 def default_session_options(device: torch.device, spin_within_runs: bool = False):
     """Session options that share the machine with torch.
 
-
     onnxruntime's intra-op threads spin while waiting for work by default;
     between two ORT calls torch runs, and spinning threads then steal its
     cores (a training step measured 2-6x slower). Spinning is turned off and
     the pool sized like torch's.
-
 
     ``spin_within_runs``: the workers spin between the nodes of one run and
     stop when it returns (``session.force_spinning_stop``), so that a run of
@@ -58,7 +56,6 @@ def default_session_options(device: torch.device, spin_within_runs: bool = False
 
 def current_stream(device: torch.device) -> int | None:
     """Handle of torch's current CUDA stream on ``device`` (None on CPU).
-
 
     onnxruntime queues its kernels on this stream (``user_compute_stream``),
     so they are ordered with torch's work without any synchronisation;
@@ -90,7 +87,6 @@ def providers_for(device: torch.device, providers=None) -> list:
 
 def guarded_optimizers(model: onnx.ModelProto) -> list[str]:
     """onnxruntime graph optimisers that must stay off for ``model``.
-
 
     Maintained onnxruntime's ConstantFolding kills the process on the ``Loop``
     torch's exporters write for ``nn.EmbeddingBag``: any graph with a Loop
@@ -281,7 +277,6 @@ _NO_OUTPUT = "ortbridge::no-such-output"
 
 def stop_spinning(session) -> None:
     """Stop the spinning a new session's workers start in.
-
 
     A pool created with spinning allowed spins (about 30 ms of a core per
     worker on a 2-core machine) until a run with ``session.force_spinning_stop``

@@ -115,8 +115,8 @@ class OrtGradientGraph:
             first = self._static_or_generic(tuple(tuple(t.shape) for t in tensors[:n]))
         else:
             # Before any call (the construction's check): only that the graph
-            # can be differentiated, on the shape-generic graph or a stand-in;
-            # the graphs that run are built for the first call's shapes.
+            # can be differentiated, on a stand-in shape or the shape-generic
+            # graph; the graphs that run are built for the first call's shapes.
             first = self._checked()
         self.n_user_outputs = first.n_user_outputs
         self.non_differentiable = first.non_differentiable
