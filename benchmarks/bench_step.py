@@ -8,7 +8,9 @@ the same weights and batch:
   driven by hand (DLPack in and out, loss gradient from torch, SGD in torch):
   the floor any bridge over the training build can reach;
 - ``ortbridge``: ``OnnxModule(backend="training-agent")`` + ``torch.optim.SGD``;
-- ``ob-ort``: ``OnnxModule(backend="onnxruntime")``, the same step.
+- ``ob-ort``: ``OnnxModule(backend="onnxruntime")``, the same step;
+- ``compiled`` (with ``--compile``): the torch model under ``torch.compile``
+  (its compilation is done in the warm-up, not timed).
 
 The training-agent variants run only where the training build is installed
 and can train the model (not the LSTM or the UNet decoder). Also measured:
@@ -28,6 +30,7 @@ are compared; results go to a JSON file and a PNG plot.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -135,7 +138,7 @@ def saved_bytes(module, loss_fn, x, y) -> int:
     return sum(kept.values())
 
 
-def measure(name: str, device: torch.device, rounds: int, steps: int) -> dict:
+def measure(name: str, device: torch.device, rounds: int, steps: int, compile_=False) -> dict:
     factory, _, _ = _models.MODELS[name]
     torch.manual_seed(0)
     model = factory()
@@ -151,6 +154,9 @@ def measure(name: str, device: torch.device, rounds: int, steps: int) -> dict:
         variants["ortbridge"] = (layer, torch.optim.SGD(layer.parameters(), lr=LR))
     ort_layer = OnnxModule(proto, backend="onnxruntime").to(device)
     variants["ob-ort"] = (ort_layer, torch.optim.SGD(ort_layer.parameters(), lr=LR))
+    if compile_:
+        twin = copy.deepcopy(model)
+        variants["compiled"] = (torch.compile(twin), torch.optim.SGD(twin.parameters(), lr=LR))
 
     def run(variant):
         module, optimizer = variants[variant]
@@ -190,6 +196,7 @@ def measure(name: str, device: torch.device, rounds: int, steps: int) -> dict:
         "raw/eager": ratio("raw", "eager"),
         "ob-ort/ortbridge": ratio("ob-ort", "ortbridge"),
         "ob-ort/eager": ratio("ob-ort", "eager"),
+        "ob-ort/compiled": ratio("ob-ort", "compiled"),
         "saved ob-ort/eager": saved["ob-ort"] / saved["eager"],
     }
 
@@ -200,11 +207,11 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    variants = ["eager", "raw", "ortbridge", "ob-ort"]
+    variants = ["eager", "raw", "ortbridge", "ob-ort", "compiled"]
     fig, ax = plt.subplots(figsize=(8, 3.6))
-    width = 0.2
+    width = 0.16
     for i, v in enumerate(variants):
-        xs = [k + (i - 1.5) * width for k, r in enumerate(results) if v in r["ms"]]
+        xs = [k + (i - 2) * width for k, r in enumerate(results) if v in r["ms"]]
         heights = [r["ms"][v] / r["ms"]["eager"] for r in results if v in r["ms"]]
         if xs:
             ax.bar(xs, heights, width, label=v)
@@ -224,6 +231,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20, help="steps timed per round")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--compile", action="store_true", help="also torch.compile's step")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     spin = {k: os.environ[k] for k in _OPENMP_ENV if k in os.environ}
@@ -231,9 +239,11 @@ def main(argv=None) -> int:
     results = []
     for name in args.models:
         print(f"measuring {name} ...", flush=True)
-        results.append(measure(name, device, args.rounds, args.steps))
+        results.append(measure(name, device, args.rounds, args.steps, args.compile))
+        print(f"    ms: {results[-1]['ms']}", flush=True)
     columns = ["ortbridge/raw", "ortbridge/eager", "raw/eager", "ob-ort/ortbridge"]
     columns += ["ob-ort/eager", "saved ob-ort/eager"]
+    columns += ["ob-ort/compiled"] if args.compile else []
     header = f"{'model':12s} {'eager ms':>9s} {'raw ms':>9s} {'agent ms':>9s} {'ort ms':>9s} "
     print(header + " ".join(f"{c:>18s}" for c in columns))
 

@@ -20,6 +20,9 @@ inside onnxruntime), and with ``--profile`` the op types that take the
 onnxruntime engine's time (onnxruntime's profiler, forward and backward
 sessions). Results go to ``results/bench_zoo[_training_env].json`` and a plot.
 
+``--device cuda`` runs every way on the GPU (torch's model, its inputs and
+the ONNX layers; results suffixed ``_cuda``); ``--profile`` is for the CPU.
+
 ``--build-profile`` instead times the onnxruntime engine's construction and
 first step, and each stage of its build (cProfile's cumulative seconds):
 ``results/bench_zoo_build[_training_env].json``.
@@ -52,6 +55,7 @@ from ortbridge._runtime import _ort  # noqa: E402
 
 ARCHITECTURES = ["convnext", "segformer", "mobilevit", "resnet", "vit", "whisper-encoder"]
 RECOGNISER = "PP-OCRv6_rec_small"
+CPU = torch.device("cpu")
 
 
 def _cases(names, batch):
@@ -169,8 +173,16 @@ def _warm_imports() -> None:
         layer(torch.ones(2, 3)).sum().backward()
 
 
-def _one(name, model, inputs, source, rounds, steps, profile) -> dict:
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _one(name, model, inputs, source, rounds, steps, profile, device=CPU) -> dict:
     row: dict = {"model": name}
+    inputs = [t.to(device) for t in inputs]
+    if model is not None:
+        model.to(device)
     ways = {}
     if model is not None:
         inputs = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
@@ -179,8 +191,9 @@ def _one(name, model, inputs, source, rounds, steps, profile) -> dict:
     for engine in _engines.installed():
         start = time.perf_counter()
         try:
-            layer = ortbridge.OnnxModule(source, backend=engine).eval()
+            layer = ortbridge.OnnxModule(source, backend=engine).to(device).eval()
             _step(layer, inputs)
+            _sync(device)
         except ortbridge.OrtBridgeError as exc:
             row[f"{engine}_error"] = f"{type(exc).__name__}: {exc}"[:200]
             continue
@@ -188,15 +201,17 @@ def _one(name, model, inputs, source, rounds, steps, profile) -> dict:
         ways[engine] = layer
         if engine == _engines.ONNXRUNTIME:
             row["onnxruntime_saved_bytes"] = saved_bytes(layer, *inputs)
-            if profile:
+            if profile and device.type == "cpu":
                 row["onnxruntime_profile_ms"] = _profile(layer, inputs)
     times = {way: [] for way in ways}
     for _ in range(rounds):  # interleaved: each round times every way in turn
         for way, net in ways.items():
             _step(net, inputs)  # a warm step, then the timed ones
+            _sync(device)
             start = time.perf_counter()
             for _ in range(steps):
                 _step(net, inputs)
+            _sync(device)
             times[way].append((time.perf_counter() - start) / steps * 1e3)
     row["step_ms"] = {way: statistics.median(t) for way, t in times.items()}
     return row
@@ -264,7 +279,9 @@ def main(argv=None) -> int:
         help="only where the onnxruntime engine's construction and first step spend their time",
     )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
     warnings.simplefilter("ignore")
     if args.build_profile:
         return _main_build_profile(args)
@@ -275,9 +292,12 @@ def main(argv=None) -> int:
     _warm_imports()
     rows = []
     for name, model, inputs, source in _cases(args.models, args.batch):
-        rows.append(_one(name, model, inputs, source, args.rounds, args.steps, args.profile))
+        rows.append(
+            _one(name, model, inputs, source, args.rounds, args.steps, args.profile, device)
+        )
         _print(rows[-1])
     suffix = "_training_env" if _ort.has_training() else ""
+    suffix += "" if device.type == "cpu" else f"_{device.type}"
     record = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -286,6 +306,7 @@ def main(argv=None) -> int:
         },  # fmt: skip
         "onnxruntime": _ort.runtime().__version__,
         "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "batch": args.batch,
         "rows": rows,
     }

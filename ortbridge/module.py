@@ -392,22 +392,22 @@ class OnnxWeights(nn.Module):
         return weights_repr(self)
 
 
-_UNTRACED: list = []
+_UNTRACED = None
 
 
 def _untraced_run():
     """``OnnxModule._run`` wrapped by ``torch.compiler.disable``, made on first need.
 
     Not a decorator: the wrapper imports ``torch._dynamo``, over a second that
-    only ``torch.compile`` needs.
+    only ``torch.compile`` needs. A global, not a list appended to: Dynamo
+    traces this, and torch 2.11's warns on ``list.append`` of the wrapper.
     """
-    if not _UNTRACED:
-        _UNTRACED.append(
-            torch.compiler.disable(
-                OnnxModule._run, reason="onnxruntime runs the ONNX layer outside the graph"
-            )
+    global _UNTRACED
+    if _UNTRACED is None:
+        _UNTRACED = torch.compiler.disable(
+            OnnxModule._run, reason="onnxruntime runs the ONNX layer outside the graph"
         )
-    return _UNTRACED[0]
+    return _UNTRACED
 
 
 def _options_state(options) -> tuple:

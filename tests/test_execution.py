@@ -432,7 +432,7 @@ def test_current_stream_is_torchs_on_the_device(cuda_streams):
 
 @no_cuda_provider
 def test_cuda_provider_options_name_the_device_and_stream(cuda_streams):
-    cuda = {"device_id": "1", "user_compute_stream": str(0x1001)}
+    cuda = {"device_id": "1", "user_compute_stream": str(0x1001), "use_tf32": "0"}
     assert providers_for(torch.device("cuda", 1)) == [
         ("CUDAExecutionProvider", cuda),
         "CPUExecutionProvider",
@@ -456,6 +456,23 @@ def test_cuda_provider_options_name_the_device_and_stream(cuda_streams):
     ]
     assert providers_for(CPU) == ["CPUExecutionProvider"]
     assert providers_for(CPU, mine) == mine
+
+
+@no_cuda_provider
+def test_cuda_provider_computes_float32_as_torch_does(cuda_streams):
+    """onnxruntime's CUDA provider takes TF32 only where torch's float32 products
+    do; a user's own ``use_tf32`` wins."""
+    device = torch.device("cuda", 1)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert providers_for(device)[0][1]["use_tf32"] == "0"
+        torch.set_float32_matmul_precision("high")
+        assert providers_for(device)[0][1]["use_tf32"] == "1"
+        mine = [("CUDAExecutionProvider", {"use_tf32": "0"})]
+        assert providers_for(device, mine)[0][1]["use_tf32"] == "0"
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 @no_cuda_provider
@@ -483,7 +500,8 @@ def test_each_cuda_stream_gets_its_own_sessions(cuda_streams):
         for providers in asked:
             name, options = providers[0]
             assert name == "CUDAExecutionProvider"
-            assert options == {"device_id": "1", "user_compute_stream": str(handle + 1)}
+            stream = str(handle + 1)
+            assert options == {"device_id": "1", "user_compute_stream": stream, "use_tf32": "0"}
     assert all(g is not h for g, h in zip(built[0x1000], built[0x2000]))
 
 

@@ -13,6 +13,11 @@ model:
   ortbridge picks batch or running statistics itself from the module's mode
   and adds the outputs it needs; left there, they make a train-mode node of
   7 outputs that onnxruntime refuses.
+- Declared output ranks the graph contradicts (:func:`outputs_as_computed`):
+  torch 2.11's exporter declares a two-layer bidirectional LSTM's ``h_n``
+  (4, 2, 4) as (4, 1, 2, 4). onnxruntime runs such a graph (it warns and
+  trusts what it computes), but a gradient graph built on the declared
+  shape does not load.
 """
 
 from __future__ import annotations
@@ -77,3 +82,47 @@ def _batch_norm_single_output(graph: onnx.GraphProto) -> None:
             keep = [a for a in node.attribute if a.name != "training_mode"]
             del node.attribute[:]
             node.attribute.extend(keep)
+
+
+def detach_output_shapes(graph: onnx.GraphProto) -> dict[str, onnx.TensorShapeProto]:
+    """The graph outputs' declared shapes, removed so that shape inference
+    computes each output's shape from its producer (a declared shape that
+    disagrees would otherwise be kept silently); see :func:`outputs_as_computed`."""
+    declared = {}
+    for value in graph.output:
+        tensor_type = value.type.tensor_type
+        if value.type.HasField("tensor_type") and tensor_type.HasField("shape"):
+            declared[value.name] = onnx.TensorShapeProto()
+            declared[value.name].CopyFrom(tensor_type.shape)
+            tensor_type.ClearField("shape")
+    return declared
+
+
+def outputs_as_computed(graph: onnx.GraphProto, declared: dict, shapes: dict) -> None:
+    """Put back the shapes :func:`detach_output_shapes` took, except where the
+    graph computes another rank (``shapes``, inferred without them): such an
+    output is declared as inferred. ``shapes`` gets the result.
+
+    Only the rank decides: where the ranks agree and a size differs, the
+    exporter's declaration is kept, since onnx's inference can be the one that
+    is wrong (STFT's output: it infers 16 frequency bins where the node
+    computes 9). An inferred rank 0 is taken for unknown (onnx's inference
+    says it for an STFT it cannot size).
+    """
+    for value in graph.output:
+        if value.name not in declared:
+            continue
+        shape = declared[value.name]
+        dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in shape.dim)
+        computed = shapes.get(value.name)
+        if computed and len(computed) != len(dims):
+            shape = onnx.TensorShapeProto()
+            for size in computed:
+                dim = shape.dim.add()
+                if size is not None:
+                    dim.dim_value = size
+        elif computed:
+            shapes[value.name] = tuple(d if d is not None else c for c, d in zip(computed, dims))
+        else:
+            shapes[value.name] = dims
+        value.type.tensor_type.shape.CopyFrom(shape)

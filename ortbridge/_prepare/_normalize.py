@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..exceptions import OnnxModelError
 from . import _activations
 from ._checks import check_runnable
-from ._exporter_forms import older_forms_rewritten
+from ._exporter_forms import detach_output_shapes, older_forms_rewritten, outputs_as_computed
 from ._lookup import _all_names, _infer, _unique
 from ._onnx_utils import FLOAT_TYPES, np_dtype
 from ._sequences import sequences_as_tensors
@@ -56,6 +56,8 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
       ``torch.split``: ``SplitToSequence`` + ``SequenceAt``) become tensors
       (:func:`._sequences.sequences_as_tensors`): the builder follows
       no weight into a sequence.
+    - A graph output declared with a shape the graph does not compute is
+      declared as computed (:func:`._exporter_forms.outputs_as_computed`).
     """
     check_runnable(model)
     lift_constant_weights(model)
@@ -63,7 +65,9 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     model = _at_least_opset(model, MIN_OPSET)
     model = sequences_as_tensors(model, loops=False)
     graph = model.graph
+    declared = detach_output_shapes(graph)
     types, shapes = _infer(model)
+    outputs_as_computed(graph, declared, shapes)
     taken = _all_names(graph)
     rewritten = []
     for node in graph.node:

@@ -66,13 +66,27 @@ def current_stream(device: torch.device) -> int | None:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def allow_tf32() -> str:
+    """``use_tf32`` for onnxruntime's CUDA provider: as torch computes float32 products.
+
+    onnxruntime uses TF32 (10-bit mantissas) for float32 matrix products and
+    convolutions unless told otherwise; torch does not for products, by
+    default (``torch.get_float32_matmul_precision() == "highest"``). Seen on
+    an H200: a float32 MLP on onnxruntime's defaults differed from the CPU by
+    2e-2 relative, element-wise. The setting is read when sessions are made.
+    """
+    return "0" if torch.get_float32_matmul_precision() == "highest" else "1"
+
+
 def providers_for(device: torch.device, providers=None) -> list:
-    """Execution providers for ``device``; on CUDA, bound to torch's current stream."""
+    """Execution providers for ``device``; on CUDA, bound to torch's current stream
+    and computing float32 as torch does (:func:`allow_tf32`)."""
     if device.type != "cuda":
         return list(providers) if providers is not None else ["CPUExecutionProvider"]
     cuda_options = {
         "device_id": str(device.index or 0),
         "user_compute_stream": str(current_stream(device)),
+        "use_tf32": allow_tf32(),
     }
     if providers is None:
         return [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]

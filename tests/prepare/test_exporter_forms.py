@@ -276,3 +276,69 @@ def test_batch_norm_statistics_from_nodes_train_mode():
     torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-4, atol=1e-5)
     report = ortbridge.gradcheck(module, x.clone().requires_grad_(True))
     assert report, str(report)
+
+
+# -- declared output shapes the graph contradicts ------------------------------------
+
+
+class _BidirectionalLstm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True)
+
+    def forward(self, x):
+        out, (h_n, _) = self.rnn(x)
+        return out, h_n
+
+
+@pytest.mark.engines("onnxruntime")  # the agent refuses bidirectional LSTMs
+def test_an_output_declared_with_a_wrong_rank_trains_as_torch():
+    """torch 2.11's exporter declares this LSTM's h_n, (4, 2, 4), as (4, 1, 2, 4):
+    onnxruntime runs the file, and the gradient graphs built on the declared
+    shape did not load (a Scan's output of rank 4 against 3). The declaration
+    is taken from what the graph computes; gradients equal torch's."""
+    from conftest import compare_with_torch, export
+
+    torch.manual_seed(0)
+    ref = _BidirectionalLstm()
+    x = torch.randn(2, 5, 3)
+    proto = export(ref, (x,), dynamic_batch=False)
+    h_n = proto.graph.output[1]
+    dims = h_n.type.tensor_type.shape.dim
+    del dims[:]  # torch 2.13 declares (4, 2, 4); 2.11 this
+    for size in (4, 1, 2, 4):
+        dims.add().dim_value = size
+    assert [d.dim_value for d in h_n.type.tensor_type.shape.dim] == [4, 1, 2, 4]
+    compare_with_torch(ref, OnnxModule(proto), [x.requires_grad_()])
+
+
+def test_declared_output_shapes_kept_where_the_graph_agrees():
+    """A declared name of an axis (``batch``) stays, and so does a declared size
+    onnx's inference disagrees with (5 where it infers 2: its inference is
+    wrong for some nodes, STFT's among them); a rank the graph does not compute
+    (a declared (2, 1, 3) where it computes (2, 3)) is replaced."""
+    from ortbridge._prepare._exporter_forms import detach_output_shapes, outputs_as_computed
+    from ortbridge._prepare._lookup import _infer
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], [name]) for name in ("a", "b", "c")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, [5, 3]),
+            helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 1, 3]),
+        ],
+    )
+    graph.input[0].type.tensor_type.shape.dim[0].Clear()
+    graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    declared = detach_output_shapes(model.graph)
+    types, shapes = _infer(model)
+    outputs_as_computed(model.graph, declared, shapes)
+    dims = {
+        o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
+        for o in model.graph.output
+    }
+    assert dims == {"a": ["batch", 3], "b": [5, 3], "c": [2, 3]}
+    assert shapes["a"] == (2, 3) and shapes["b"] == (5, 3) and shapes["c"] == (2, 3)
