@@ -432,7 +432,12 @@ def test_current_stream_is_torchs_on_the_device(cuda_streams):
 
 @no_cuda_provider
 def test_cuda_provider_options_name_the_device_and_stream(cuda_streams):
-    cuda = {"device_id": "1", "user_compute_stream": str(0x1001), "use_tf32": "0"}
+    cuda = {
+        "device_id": "1",
+        "user_compute_stream": str(0x1001),
+        "use_tf32": "0",
+        "cudnn_conv_algo_search": "HEURISTIC",
+    }
     assert providers_for(torch.device("cuda", 1)) == [
         ("CUDAExecutionProvider", cuda),
         "CPUExecutionProvider",
@@ -476,6 +481,18 @@ def test_cuda_provider_computes_float32_as_torch_does(cuda_streams):
 
 
 @no_cuda_provider
+def test_cuda_provider_picks_convolution_algorithms_as_torch_does(cuda_streams, monkeypatch):
+    """cuDNN's algorithms timed at the first run only under torch's
+    ``cudnn.benchmark``; its heuristic choice otherwise (torch's default)."""
+    device = torch.device("cuda", 1)
+    assert providers_for(device)[0][1]["cudnn_conv_algo_search"] == "HEURISTIC"
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert providers_for(device)[0][1]["cudnn_conv_algo_search"] == "EXHAUSTIVE"
+    mine = [("CUDAExecutionProvider", {"cudnn_conv_algo_search": "DEFAULT"})]
+    assert providers_for(device, mine)[0][1]["cudnn_conv_algo_search"] == "DEFAULT"
+
+
+@no_cuda_provider
 @pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider'")
 def test_each_cuda_stream_gets_its_own_sessions(cuda_streams):
     """Sessions are built for torch's current stream and cached per stream: a second
@@ -501,7 +518,12 @@ def test_each_cuda_stream_gets_its_own_sessions(cuda_streams):
             name, options = providers[0]
             assert name == "CUDAExecutionProvider"
             stream = str(handle + 1)
-            assert options == {"device_id": "1", "user_compute_stream": stream, "use_tf32": "0"}
+            assert options == {
+                "device_id": "1",
+                "user_compute_stream": stream,
+                "use_tf32": "0",
+                "cudnn_conv_algo_search": "HEURISTIC",
+            }
     assert all(g is not h for g, h in zip(built[0x1000], built[0x2000]))
 
 

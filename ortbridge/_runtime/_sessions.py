@@ -78,15 +78,31 @@ def allow_tf32() -> str:
     return "0" if torch.get_float32_matmul_precision() == "highest" else "1"
 
 
+def conv_algo_search() -> str:
+    """``cudnn_conv_algo_search`` for onnxruntime's CUDA provider: as torch picks
+    cuDNN's convolution algorithms.
+
+    onnxruntime times every algorithm of each convolution at its first run
+    (``EXHAUSTIVE``); torch does that only with ``torch.backends.cudnn.benchmark``
+    and otherwise takes cuDNN's heuristic choice. (On an H200 with the
+    exhaustive search, PP-OCRv6's recogniser took 6.0 s to build and take its
+    first step, 2.0 s on a 2-core CPU; how much of it the search took is not
+    yet measured apart.)
+    """
+    return "EXHAUSTIVE" if torch.backends.cudnn.benchmark else "HEURISTIC"
+
+
 def providers_for(device: torch.device, providers=None) -> list:
-    """Execution providers for ``device``; on CUDA, bound to torch's current stream
-    and computing float32 as torch does (:func:`allow_tf32`)."""
+    """Execution providers for ``device``; on CUDA, bound to torch's current stream,
+    computing float32 and choosing convolution algorithms as torch does
+    (:func:`allow_tf32`, :func:`conv_algo_search`)."""
     if device.type != "cuda":
         return list(providers) if providers is not None else ["CPUExecutionProvider"]
     cuda_options = {
         "device_id": str(device.index or 0),
         "user_compute_stream": str(current_stream(device)),
         "use_tf32": allow_tf32(),
+        "cudnn_conv_algo_search": conv_algo_search(),
     }
     if providers is None:
         return [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
