@@ -44,7 +44,8 @@ stage() {  # stage NAME SECONDS COMMAND...: COMMAND's output in OUT/NAME.log, it
 stages=${GPU_STAGES:-environment suite cuda_tests bench_step bench_zoo}
 has() { [[ " $stages " == *" $1 "* ]]; }
 model=$ORTBRIDGE_MODEL_CACHE/rapidocr-3.10.0/rapidocr/models/PP-OCRv6_rec_small.onnx
-has environment && stage environment 45 bash -c "nvidia-smi -L; python3 -m ortbridge inspect $model"
+has environment && stage environment 45 bash -c \
+    "nvidia-smi -L; echo overcommit \$(cat /proc/sys/vm/overcommit_memory); python3 -m ortbridge inspect $model"
 # The whole suite (published models but the carried ones need the registry: left out),
 # in the background on most cores while the GPU checks run.
 if has suite; then

@@ -211,6 +211,19 @@ def test_index_out_of_range_names_the_node(backend, train):
     _same_state(before, module)
 
 
+def _always_overcommits() -> bool:
+    """Linux's ``vm.overcommit_memory = 1`` grants any allocation: the 64 TiB
+    below then succeeds and writing it gets the process killed, so there is no
+    failed allocation to report. (A lent GPU machine's test worker died on
+    this test; its setting was not read there.)"""
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(_always_overcommits(), reason="this machine grants any allocation")
 def test_failed_allocation_says_out_of_memory():
     graph = helper.make_graph(
         [helper.make_node("Expand", ["x", "shape"], ["y"])],

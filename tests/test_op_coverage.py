@@ -25,6 +25,7 @@ pytest.importorskip("onnx_ad")
 pytest.importorskip("onnxruntime")
 
 from ortbridge import _coverage  # noqa: E402
+from ortbridge.exceptions import OrtBridgeError  # noqa: E402
 
 RESULTS = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -201,6 +202,8 @@ def test_a_graph_without_float_input_has_no_gradient_path():
 
 
 def test_a_crashing_case_costs_only_itself(monkeypatch, cases_by_op):
+    if torch.cuda.is_initialized():  # checked at run time: earlier tests may use CUDA
+        pytest.skip("forked workers cannot run autograd after this process used CUDA")
     cases = cases_by_op["Relu"] + cases_by_op["Tanh"]
     doomed = cases[1].name
     run_case = _coverage.run_case
@@ -220,6 +223,14 @@ def test_a_crashing_case_costs_only_itself(monkeypatch, cases_by_op):
             assert r.detail == f"the process died (exit code {-signal.SIGSEGV})"
         else:
             assert r.status == _coverage.CORRECT, r
+
+
+def test_forked_workers_refused_after_cuda_was_used(monkeypatch, cases_by_op):
+    """torch's autograd fails in every child forked after CUDA work: the harness
+    says so before forking, instead of reporting each case as an error."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(OrtBridgeError, match=r"forked processes.*after CUDA was used"):
+        _coverage.run_isolated(cases_by_op["Relu"], workers=2, quiet=True)
 
 
 def test_op_type_status_counts_only_cases_with_a_gradient_path():

@@ -52,6 +52,7 @@ def run_isolated(
     Results come back in the order of ``cases``. ``progress(done, total,
     result)`` is called after each case; ``quiet`` silences the workers' stderr.
     """
+    _check_forkable()
     context = multiprocessing.get_context("fork")
     results: list[CaseResult | None] = [None] * len(cases)
     todo = list(range(len(cases)))[::-1]
@@ -126,3 +127,18 @@ def run_isolated(
         if process.is_alive():
             process.kill()
     return results  # type: ignore[return-value]
+
+
+def _check_forkable() -> None:
+    """torch's autograd cannot run in a child forked after its parent ran CUDA
+    work (its device threads): every case would fail there with torch's
+    "Autograd-and-Fork" error. Refused up front in plain words instead."""
+    import torch
+
+    from ..exceptions import OrtBridgeError
+
+    if torch.cuda.is_initialized():
+        raise OrtBridgeError(
+            "the op-coverage harness checks cases in forked processes, and torch's autograd "
+            "cannot run in a process forked after CUDA was used: run it in a fresh process"
+        )
