@@ -2,7 +2,7 @@
 # gpu_checks.sh OUT: the checks a lent GPU machine runs, from the project's root there.
 #
 # GPU_STAGES names the stages to run (default: all of environment suite cuda_tests
-# bench_step bench_zoo). Expects /tmp/payload.tar, carried in parts (the machine reaches
+# bench_step bench_zoo). Expects /tmp/payload.tar, carried in parts by benchmarks/gpu_payload.sh (the machine reaches
 # no registry) with .gpu/payload.sha beside the project: onnxruntime-gpu's files
 # (ort-gpu.tar.xz), wheels the machine's image lacks (onnx-ad, skl2onnx, docutils) and
 # published models (models/, a model cache). Each stage has its own time limit and log
