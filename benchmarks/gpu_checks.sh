@@ -2,12 +2,13 @@
 # gpu_checks.sh OUT: the checks a lent GPU machine runs, from the project's root there.
 #
 # GPU_STAGES names the stages to run (default: all of environment suite cuda_tests
-# bench_step bench_zoo). Expects /tmp/payload.tar, carried in parts by benchmarks/gpu_payload.sh (the machine reaches
-# no registry) with .gpu/payload.sha beside the project: onnxruntime-gpu's files
-# (ort-gpu.tar.xz), wheels the machine's image lacks (onnx-ad, skl2onnx, docutils) and
-# published models (models/, a model cache). Each stage has its own time limit and log
-# under OUT, so a stage that runs over still leaves the others' results; OUT gets at most
-# eight files (the device tool brings back no more).
+# bench_step bench_zoo). Expects /tmp/payload.tar, put together from the parts
+# gpu_payload.sh cuts (the machine reaches no registry), and .gpu/payload.sha beside
+# the project: onnxruntime-gpu's files (ort-gpu.tar.xz), wheels the machine's image
+# lacks (onnx-ad, skl2onnx, docutils) and published models (models/, a model cache).
+# Each stage has its own time limit and log under OUT, so a stage that runs over still
+# leaves the others' results; OUT gets at most eight files (the device tool brings back
+# no more).
 set -u
 out=${1:?usage: gpu_checks.sh OUT}
 mkdir -p "$out"
