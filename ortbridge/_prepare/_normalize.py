@@ -56,7 +56,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
       ``torch.split``: ``SplitToSequence`` + ``SequenceAt``) become tensors
       (:func:`._sequences.sequences_as_tensors`): the builder follows
       no weight into a sequence.
-    - A graph output declared with a shape the graph does not compute is
+    - A graph output declared with a rank the graph does not compute is
       declared as computed (:func:`._exporter_forms.outputs_as_computed`).
     """
     check_runnable(model)
