@@ -242,3 +242,79 @@ def test_conv_transpose_with_dynamic_sizes_is_built_per_shape():
         (model(x) ** 2).sum().backward()
         for (name, mine), reference in zip(layer.named_parameters(), model.parameters()):
             torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+# -- constant folding: onnx-ad's result, without the sweep that only confirms ---------
+
+
+def _shape_arithmetic(static: bool):
+    """``Reshape(x, Concat(Shape(x)[0], 6))``, as exporters write a flatten: with a
+    static ``x`` the shape folds in one sweep; with a dynamic batch ``Shape``
+    stays and a second sweep may still fold it."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+        helper.make_node("Unsqueeze", ["n", "zero_axis"], ["n1"]),
+        helper.make_node("Concat", ["n1", "six"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["flat"]),
+        helper.make_node("Relu", ["flat"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(0, np.int64), "zero"),
+        numpy_helper.from_array(np.array([0], np.int64), "zero_axis"),
+        numpy_helper.from_array(np.array([6], np.int64), "six"),
+    ]
+    batch = 4 if static else "batch"
+    graph = helper.make_graph(
+        nodes,
+        "flatten",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    return make_model(graph)
+
+
+@pytest.fixture
+def sweeps(monkeypatch):
+    """How many folding sweeps run."""
+    from onnx_ad import fold
+
+    count = [0]
+    original = fold._fold_once
+
+    def counted(model, max_elements):
+        count[0] += 1
+        return original(model, max_elements)
+
+    monkeypatch.setattr(fold, "_fold_once", counted)
+    return count
+
+
+@needs_engine
+@pytest.mark.parametrize("static", [True, False])
+def test_folding_gives_onnx_ads_result_with_a_sweep_less(sweeps, static):
+    from onnx_ad.fold import fold_constants as onnx_ads
+
+    from ortbridge._engines.onnxruntime._fold import fold_constants
+
+    model = _shape_arithmetic(static)
+    theirs = onnx_ads(model)
+    their_sweeps, sweeps[0] = sweeps[0], 0
+    ours = fold_constants(model)
+    assert ours.SerializeToString() == theirs.SerializeToString()
+    if static:  # everything folds in the first sweep; onnx-ad confirms it with a second
+        assert (their_sweeps, sweeps[0]) == (2, 1)
+        assert [n.op_type for n in ours.graph.node] == ["Constant"] * 4 + ["Reshape", "Relu"]
+    else:  # a Shape could fold, so the sweep runs; its input is dynamic: nothing folds
+        assert their_sweeps == sweeps[0] == 1
+        assert ours.graph.node[0].op_type == "Shape"
+
+
+@needs_engine
+def test_folding_runs_no_sweep_where_no_node_could_fold(sweeps):
+    from ortbridge._engines.onnxruntime._fold import fold_constants
+
+    model = linear_model(3, 2)  # every node reads the graph's input
+    assert fold_constants(model) is model
+    assert sweeps[0] == 0

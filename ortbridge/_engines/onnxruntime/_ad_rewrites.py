@@ -171,7 +171,7 @@ def _shapes_folded(model: onnx.ModelProto) -> onnx.ModelProto:
     Concat(Shape(..)..))``, as exporters write with dynamic axes, then has the
     static shape its rewrite needs once the input shapes are set. After the
     sequence rewrites, which read the loops and sequences as exported."""
-    from onnx_ad.fold import fold_constants
+    from ._fold import fold_constants
 
     return fold_constants(model)
 

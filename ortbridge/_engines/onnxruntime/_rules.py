@@ -36,10 +36,14 @@ import onnx
 
 from ortbridge._prepare._onnx_utils import node_reads
 
+from ._fold import in_onnx_ad
+
 
 @contextlib.contextmanager
 def own_rules(model: onnx.ModelProto | None = None):
-    """onnx-ad's reverse-rule table with ortbridge's wrappers in it, restored on exit.
+    """onnx-ad's reverse-rule table with ortbridge's wrappers in it, and its
+    constant folding without the sweep that only confirms (:mod:`._fold`),
+    restored on exit.
 
     ``model``, the graph about to be differentiated, tells which softmax
     outputs no node can mask (without it every one is corrected).
@@ -61,7 +65,8 @@ def own_rules(model: onnx.ModelProto | None = None):
             wrapper = functools.partial(wrapper, unmasked=unmasked)
         table[op] = lambda ctx, node, grads, w=wrapper, o=original: w(ctx, node, grads, o)
     try:
-        yield
+        with in_onnx_ad():
+            yield
     finally:
         table.update(saved)
         if added:

@@ -35,11 +35,11 @@ from onnx import helper, numpy_helper
 
 from ortbridge._prepare._lookup import _all_names, _unique
 
+from .._fold import fold_constants
+
 
 def optimize_reverse(model: onnx.ModelProto) -> None:
     """Apply the rewrites to ``model`` in place."""
-    from onnx_ad.fold import fold_constants
-
     folded = fold_constants(model)
     if folded is not model:
         model.CopyFrom(folded)
