@@ -31,6 +31,8 @@ shapes are fully known and have no zero-size dimension.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -160,12 +162,40 @@ def _static(shape) -> bool:
     return shape is not None and all(isinstance(d, int) and d > 0 for d in shape)
 
 
-def _constants(graph: onnx.GraphProto) -> dict:
-    found = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            found[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
-    return found
+class _Constants(Mapping):
+    """A graph's constant tensors (initializers, ``Constant`` values) by name, each
+    made a numpy array when first read: the passes read a few axes and shapes,
+    and converting every tensor took a fifth of the view simplification's time."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self._tensors = {i.name: i for i in graph.initializer}
+        for node in graph.node:
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+                self._tensors[node.output[0]] = node.attribute[0].t
+        self._arrays: dict = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._arrays:
+            self._arrays[name] = numpy_helper.to_array(self._tensors[name])
+        return self._arrays[name]
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        """A constant a rewrite adds (as a node of its own)."""
+        self._tensors[name] = None
+        self._arrays[name] = value
+
+    def __contains__(self, name) -> bool:
+        return name in self._tensors
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def _constants(graph: onnx.GraphProto) -> _Constants:
+    return _Constants(graph)
 
 
 def _viewed(node: onnx.NodeProto, shapes: dict, constants: dict) -> str | None:
