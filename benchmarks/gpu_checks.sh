@@ -55,7 +55,7 @@ if has suite; then
     suite=$!
 fi
 has cuda_tests && stage cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -rs -s \
-    tests/test_cuda.py tests/test_ecosystem.py tests/test_execution.py -k "cuda or CUDA"
+    tests/test_cuda.py tests/test_execution.py -k "cuda or CUDA"
 if has suite; then
     wait $suite
     echo "== suite: exit $?"

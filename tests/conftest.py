@@ -56,6 +56,19 @@ def _seed():
     np.random.seed(0)
 
 
+def make_mlp(seed=0):
+    """A small MLP (6 -> 8 -> 3) several test modules train."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+@pytest.fixture(scope="module")
+def mlp_proto():
+    """The exported MLP (export is slow: done once for the module)."""
+    torch.manual_seed(0)
+    return export(make_mlp(), (torch.randn(4, 6),))
+
+
 def export(model: torch.nn.Module, args: tuple, dynamic_batch: bool = True, **kwargs):
     """Export with torch's current (dynamo) exporter, as a user would.
 

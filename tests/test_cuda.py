@@ -138,6 +138,45 @@ def test_published_model_on_the_gpu_matches_the_cpu():
     assert worst < 1e-3
 
 
+@needs_cuda
+def test_cuda_forward_backward_matches_cpu(mlp_proto):
+    """The same module's copy on the GPU gives the CPU's outputs and gradients
+    (at 1e-4: onnxruntime's TF32 default failed this, ``_runtime._sessions.allow_tf32``)."""
+    cpu = OnnxModule(mlp_proto)
+    gpu = copy.deepcopy(cpu).cuda()
+    assert all(p.is_cuda for p in gpu.parameters())
+    x = torch.randn(8, 6)
+    out_cpu, out_gpu = cpu(x), gpu(x.cuda())
+    assert out_gpu.is_cuda
+    torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-4, atol=1e-5)
+    (out_cpu**2).sum().backward()
+    (out_gpu**2).sum().backward()
+    for p, q in zip(cpu.parameters(), gpu.parameters()):
+        assert q.grad.is_cuda
+        torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-5)
+
+
+@needs_cuda
+def test_cuda_non_default_stream(mlp_proto):
+    cpu = OnnxModule(mlp_proto)
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(64, 6)
+    out_cpu = cpu(x)
+    (out_cpu**2).sum().backward()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        xg = x.cuda(non_blocking=True)
+        out_gpu = gpu(xg)
+        (out_gpu**2).sum().backward()
+        grads = [p.grad.clone() for p in gpu.parameters()]
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-4, atol=1e-5)
+    for p, g in zip(cpu.parameters(), grads):
+        torch.testing.assert_close(g.cpu(), p.grad, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_dlpack_hands_memory_over_without_copies(device):
     x = torch.randn(5, 7, device=device)

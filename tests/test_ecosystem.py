@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import compare_with_torch, export
+from conftest import compare_with_torch, export, make_mlp
 from onnx import numpy_helper
 from torch import nn
 
@@ -21,18 +21,6 @@ from ortbridge.exceptions import OrtBridgeError
 
 # Every test here runs on each engine installed (see conftest).
 pytestmark = pytest.mark.usefixtures("backend")
-
-
-def make_mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-@pytest.fixture(scope="module")
-def mlp_proto():
-    """The exported MLP (export is slow: done once for the module)."""
-    torch.manual_seed(0)
-    return export(make_mlp(), (torch.randn(4, 6),))
 
 
 def batches(n=20, size=16, seed=1):
@@ -404,48 +392,6 @@ def test_half_is_refused_clearly(mlp_proto):
     layer = OnnxModule(mlp_proto).half()
     with pytest.raises(OrtBridgeError, match=r"weight '0.weight' is torch.float16 .*float32"):
         layer(torch.randn(3, 6).half())
-
-
-# -- 11. CUDA -----------------------------------------------------------------
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@needs_cuda
-def test_cuda_forward_backward_matches_cpu(mlp_proto):
-    cpu = OnnxModule(mlp_proto)
-    gpu = copy.deepcopy(cpu).cuda()
-    assert all(p.is_cuda for p in gpu.parameters())
-    x = torch.randn(8, 6)
-    out_cpu, out_gpu = cpu(x), gpu(x.cuda())
-    assert out_gpu.is_cuda
-    torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-4, atol=1e-5)
-    (out_cpu**2).sum().backward()
-    (out_gpu**2).sum().backward()
-    for p, q in zip(cpu.parameters(), gpu.parameters()):
-        assert q.grad.is_cuda
-        torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-5)
-
-
-@needs_cuda
-def test_cuda_non_default_stream(mlp_proto):
-    cpu = OnnxModule(mlp_proto)
-    gpu = copy.deepcopy(cpu).cuda()
-    x = torch.randn(64, 6)
-    out_cpu = cpu(x)
-    (out_cpu**2).sum().backward()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        xg = x.cuda(non_blocking=True)
-        out_gpu = gpu(xg)
-        (out_gpu**2).sum().backward()
-        grads = [p.grad.clone() for p in gpu.parameters()]
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-4, atol=1e-5)
-    for p, g in zip(cpu.parameters(), grads):
-        torch.testing.assert_close(g.cpu(), p.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_batch_norm_state_dicts_load_both_ways():

@@ -387,7 +387,7 @@ def test_session_options_can_be_overridden():
 # real CUDA provider, which these tests must not do.
 no_cuda_provider = pytest.mark.skipif(
     "CUDAExecutionProvider" in onnxruntime.get_available_providers(),
-    reason="substitutes CUDA streams; with a CUDA provider test_ecosystem runs real ones",
+    reason="substitutes CUDA streams; with a CUDA provider test_cuda runs real ones",
 )
 
 
