@@ -1,7 +1,7 @@
 """Forms older exporters write (paddle2onnx, early opsets), made the ones graph preparation reads.
 
 Run by :func:`._normalize.normalize` before anything else looks at the
-model:
+model (the last, a declared rank, where it infers the model's shapes):
 
 - Unknown dimensions: paddle2onnx names them ``?`` (one name for every
   unknown axis, not one shared size) and writes ``-1`` as a dimension's
