@@ -261,6 +261,27 @@ def test_conv_input_gradient_by_col2im_matches_torch(stride, padding, dilation, 
     assert "Col2Im" in ops and "ConvTranspose" not in ops, ops
 
 
+@needs_engine
+@pytest.mark.parametrize(
+    "stride, padding, dilation, size, col2im",
+    [(2, 1, 1, 20, True), (3, 0, 1, 17, True), (2, 2, 2, 15, True), (1, 1, 1, 20, False)],
+)
+def test_strided_1d_conv_input_gradient_by_col2im_matches_torch(
+    stride, padding, dilation, size, col2im
+):
+    """A strided 1-D Conv (Whisper's audio stem) has its input gradient as MatMul
+    and Col2Im over an image of one row; stride 1 keeps onnxruntime's faster 1-D
+    ConvTranspose. Gradients as torch's either way."""
+    torch.manual_seed(stride)
+    model = nn.Sequential(nn.Conv1d(3, 4, 3, stride, padding, dilation), nn.Tanh())
+    x = torch.randn(2, 3, size)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [True, True, True], x.device, [x])
+    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    assert ("Col2Im" in ops and "ConvTranspose" not in ops) == col2im, ops
+
+
 class _ViewThenMatMul(nn.Module):
     """A transposed activation, reshaped, which a MatMul's weight gradient reads."""
 
