@@ -5,8 +5,8 @@ in small configurations with random weights (``tests/_transformers_zoo.py``,
 TorchScript export with a dynamic batch, eval mode), and PP-OCRv6's text
 recogniser from the published corpus (no torch source: no eager column), on
 batches of ``--batch`` rows (16). A step is a forward and the backward of
-``sum(out**2)``; each engine installed runs it as ``OnnxModule(...,
-backend=engine)``.
+``sum(out**2)``, the gradients set to None before it as torch's optimizers
+do; each engine installed runs it as ``OnnxModule(..., backend=engine)``.
 
 Hypothesis (the engine-speed work's targets): the onnxruntime engine's step
 is at most the training agent's and torch eager's, its construction plus
@@ -76,6 +76,12 @@ def _cases(names, batch):
 
 
 def _step(net, inputs):
+    # Gradients reset to None first, as torch's optimizers do (and
+    # bench_step.py): the backward then hands each gradient over instead of
+    # adding it to the last step's.
+    net.zero_grad(set_to_none=True)
+    for t in inputs:
+        t.grad = None
     out = net(*inputs)
     out = out if isinstance(out, tuple) else (out,)
     sum(o.float().square().sum() for o in out if o.is_floating_point()).backward()
