@@ -318,3 +318,44 @@ def test_folding_runs_no_sweep_where_no_node_could_fold(sweeps):
     model = linear_model(3, 2)  # every node reads the graph's input
     assert fold_constants(model) is model
     assert sweeps[0] == 0
+
+
+@needs_engine
+def test_folding_without_shape_queries_needs_no_shape_inference(sweeps, monkeypatch):
+    """No ``Shape`` or ``Size``: ortbridge's own sweep (no shape inference of the
+    whole model, constants converted when read) gives onnx-ad's bytes, in one
+    sweep, folding through a ``Constant`` written with ``value_ints``."""
+    from onnx_ad import _build
+    from onnx_ad.fold import fold_constants as onnx_ads
+
+    from ortbridge._engines.onnxruntime._fold import fold_constants
+
+    nodes = [
+        helper.make_node("Constant", [], ["rows"], value_ints=[4]),
+        helper.make_node("Concat", ["rows", "six"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "w"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([6], np.int64), "six"),
+        numpy_helper.from_array(np.ones((6, 5), np.float32), "w"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "flatten",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = make_model(graph)
+    theirs = onnx_ads(model)
+    sweeps[0] = 0
+    inferred = []
+    original = _build.Shapes.__init__
+    monkeypatch.setattr(
+        _build.Shapes, "__init__", lambda self, m: inferred.append(1) or original(self, m)
+    )
+    ours = fold_constants(model)
+    assert ours.SerializeToString() == theirs.SerializeToString()
+    assert [n.op_type for n in ours.graph.node] == ["Constant", "Constant", "Reshape", "MatMul"]
+    assert sweeps[0] == 0 and inferred == []

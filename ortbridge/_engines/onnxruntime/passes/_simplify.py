@@ -56,9 +56,12 @@ def simplify(model: onnx.ModelProto) -> None:
         return
     collapse_views(model, shapes)
     for _ in range(_MAX_PASSES):  # a lifted view may be lifted again by the next node
-        if not _lift_views(model, shapes):
+        changed, more = _lift_views(model, shapes)
+        if not changed:
             break
         collapse_views(model, shapes)
+        if not more:
+            break
     merge_duplicates(model.graph)
 
 
@@ -248,9 +251,10 @@ def _live(nodes: list, outputs: set) -> list:
 _ELEMENTWISE = frozenset({"Mul", "Add", "Sub", "Div", "Sum"})
 
 
-def _lift_views(model: onnx.ModelProto, shapes: dict) -> bool:
-    """Move views below the elementwise ops and MatMuls that read them; True if any
-    moved. ``shapes`` gets the shapes of the tensors it adds."""
+def _lift_views(model: onnx.ModelProto, shapes: dict) -> tuple[bool, bool]:
+    """Move views below the elementwise ops and MatMuls that read them. Returns
+    whether any moved, and whether another round may move more once the views
+    have collapsed. ``shapes`` gets the shapes of the tensors it adds."""
     graph = model.graph
     taken = _all_names(graph)
     producer = {o: n for n in graph.node for o in n.output}
@@ -268,7 +272,7 @@ def _lift_views(model: onnx.ModelProto, shapes: dict) -> bool:
         return _static(shape) and int(np.prod(shape)) == 1
 
     constants = _constants(graph)
-    rewritten, changed = [], False
+    rewritten, changed, views = [], False, []
     for node in graph.node:
         out = node.output[0] if node.output else ""
         if node.domain or not _static(shapes.get(out)):
@@ -310,10 +314,36 @@ def _lift_views(model: onnx.ModelProto, shapes: dict) -> bool:
         view = _view(inner, out, shapes, taken, node.name)
         rewritten.extend(view)
         producer[out] = view[-1]
+        views.append(out)
         changed = True
     del graph.node[:]
     graph.node.extend(_live(rewritten, {o.name for o in graph.output}))
-    return changed
+    return changed, _hidden_views(graph, views, shapes)
+
+
+def _hidden_views(graph: onnx.GraphProto, views: list, shapes: dict) -> bool:
+    """Whether a reader of the new ``views`` (through Reshapes and Identities)
+    is a view the lifting does not see through: only then can another round
+    lift more. Each node reading a new view through Reshapes and Identities
+    was seen with it already (lifted nodes come before their readers), and
+    the collapse before the first round made every other view of static
+    shapes a Reshape; what is left is a Squeeze, Unsqueeze, Flatten or
+    unit-axis ReduceSum whose shapes inference did not give."""
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    constants = _constants(graph)
+    todo = list(views)
+    while todo:
+        for reader in readers.get(todo.pop(), []):
+            if reader.domain not in ("", "ai.onnx"):
+                continue
+            if reader.op_type in ("Reshape", "Identity"):
+                todo.append(reader.output[0])
+            elif reader.op_type in _VIEWS or _viewed(reader, shapes, constants) is not None:
+                return True
+    return False
 
 
 def _scalar(name: str, shapes: dict, taken: set, rewritten: list) -> str:
