@@ -24,12 +24,13 @@ from ._conv_grad import conv_input_gradients, conv_weight_gradients
 from ._fused_activations import fused_activations
 from ._norm_stats import forward_norm_statistics
 from ._opset18 import raise_to_opset18
-from ._optimize import facts, optimize_reverse
+from ._optimize import _shapes, facts, optimize_reverse
 from ._pool_grad import maxpool_gradients
 from ._reductions import fast_reductions
 from ._scalar_operands import full_rank_scalars
 from ._scatter_sums import concat_scatter_sums
 from ._simplify import collapse_views, simplify
+from ._unit_transposes import squeezed_transposes
 from ._weight_products import weight_products
 from .scan._hoist import hoisted_step_work
 from .scan._outputs import scan_outputs_without_copies
@@ -63,6 +64,16 @@ class Pass:
 def _col2im_opset(g: Graphs) -> None:
     if any(n.op_type == "ConvTranspose" for n in g.backward.graph.node):
         raise_to_opset18(g.backward)  # Col2Im's opset
+
+
+def _views_collapsed(g: Graphs) -> None:
+    # One shape inference for both: the transposes record the shapes they add.
+    for model in (g.backward, g.forward):
+        shapes = _shapes(model)
+        if shapes is not None:
+            squeezed_transposes(model, shapes)
+            if model is g.backward:
+                collapse_views(model, shapes)
 
 
 def _known_shape_forms(g: Graphs) -> None:
@@ -100,8 +111,9 @@ PASSES: tuple[Pass, ...] = (
     Pass("Scan outputs without copies", BACKWARD, True,
          lambda g: scan_outputs_without_copies(g.backward)),
     # The seed axis added and dropped: views that collapse (and what the
-    # passes above left unread goes).
-    Pass("views collapsed", BACKWARD, True, lambda g: collapse_views(g.backward)),
+    # passes above left unread goes); transposes that move a unit axis first,
+    # after the passes above that read onnx-ad's Transposes.
+    Pass("unit axes out of transposes, views collapsed", BACKWARD, True, _views_collapsed),
     # Products in loop bodies, once their views have collapsed.
     Pass("Scan products with outside weights", BACKWARD, True,
          lambda g: (fused_scan_products(g.backward), fused_scan_products(g.forward))),
