@@ -21,7 +21,9 @@ from ._errors import load_error
 from ._threads import start_pinned
 
 
-def default_session_options(device: torch.device, spin_within_runs: bool = False):
+def default_session_options(
+    device: torch.device, spin_within_runs: bool = False, threads: int | None = None
+):
     """Session options that share the machine with torch.
 
     onnxruntime's intra-op threads spin while waiting for work by default;
@@ -36,10 +38,12 @@ def default_session_options(device: torch.device, spin_within_runs: bool = False
     and torch still has the cores between runs. For sessions run through
     ``InferenceSession.run`` only: the TrainingAgent's calls do not stop the
     spinning.
+
+    ``threads``: the intra-op pool's size where not torch's thread count.
     """
     ort = _ort.runtime()
     so = ort.SessionOptions()
-    so.intra_op_num_threads = max(1, torch.get_num_threads())
+    so.intra_op_num_threads = max(1, threads or torch.get_num_threads())
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -236,12 +240,13 @@ def make_session(
     return session
 
 
-def _session(model, device, session_options, providers, spin_within_runs=False):
+def _session(model, device, session_options, providers, spin_within_runs=False, threads=None):
     """An engine's session, and the pinning of its workers (None: left to the system).
 
     ``model`` is a ModelProto or its bytes. Only sessions with ortbridge's own
     options on the CPU are pinned: options given by the user are theirs to tune.
-    ``spin_within_runs``: see :func:`default_session_options`.
+    ``spin_within_runs``, ``threads``: see :func:`default_session_options`
+    (``threads`` applies to ortbridge's own options only).
     """
     ort = _ort.runtime()
     graph = model if isinstance(model, onnx.ModelProto) else None
@@ -261,7 +266,7 @@ def _session(model, device, session_options, providers, spin_within_runs=False):
 
     if session_options is not None:
         return create(session_options, own=False), None
-    so = default_session_options(device, spin_within_runs)
+    so = default_session_options(device, spin_within_runs, threads)
     if device.type != "cpu":
         return create(so), None
     try:
@@ -269,7 +274,7 @@ def _session(model, device, session_options, providers, spin_within_runs=False):
     except OnnxModelError:
         # The model, or thread affinities this onnxruntime refuses: once
         # more without them, so that only the model's own error comes out.
-        session, pinning = create(default_session_options(device, spin_within_runs)), None
+        session, pinning = create(default_session_options(device, spin_within_runs, threads)), None
     if spin_within_runs:
         stop_spinning(session)
     return session, pinning

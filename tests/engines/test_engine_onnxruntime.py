@@ -1271,6 +1271,35 @@ def test_activation_runs_as_one_kernel_and_saves_its_input_only(
     assert fused_activations(double) == 0 and spelled in [n.op_type for n in double.graph.node]
 
 
+class _Doubled(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+@needs_engine
+def test_the_forward_graph_declares_a_fused_kernels_output():
+    """onnx's shape inference knows no com.microsoft Gelu: the forward graph
+    declares its output, so the shapes of what reads it are known too (the
+    session's thread count reads them, ``_work.py``); the GELU's output read
+    only inside the forward (by a product by 2, whose output the next Linear
+    saves)."""
+    from conftest import export_torchscript
+
+    from ortbridge._engines.onnxruntime._work import session_threads
+    from ortbridge._engines.onnxruntime.passes._optimize import _shapes
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.GELU(), _Doubled(), nn.Linear(16, 3))
+    x = torch.randn(5, 6)
+    layer = OnnxModule(export_torchscript(net, (x,)), backend=ORT)
+    _compare(net, layer, x)
+    forward = list(layer._bridge._gradient_graphs.values())[-1].static_built([x]).split.forward
+    assert "Gelu" in [n.op_type for n in forward.graph.node]
+    shapes = _shapes(forward)
+    assert all(shapes.get(o) is not None for n in forward.graph.node for o in n.output)
+    assert session_threads(forward) == 1
+
+
 def test_gelu_spelled_with_the_half_first_and_a_product_by_one_over_sqrt2_is_fused():
     """0.5 * x first, x * 0.7071 inside the Erf: the same GELU, one node, the
     same values; an intermediate read elsewhere keeps the graph as it is."""

@@ -26,12 +26,18 @@ def _graphs(layer):
     return [*layer._bridge._gradient_graphs.values(), *layer._bridge._inference_graphs.values()]
 
 
+#: Features of a linear layer whose products keep the onnxruntime engine's
+#: sessions on torch's thread count (8 rows: 8M multiply-adds; a smaller
+#: graph runs on one thread, nothing to pin).
+WIDE = 1024
+
+
 @pinnable
 def test_workers_run_on_every_core_but_the_callers():
-    layer = OnnxModule(linear_model(3, 2))
-    layer(torch.randn(4, 3)).sum().backward()
+    layer = OnnxModule(linear_model(WIDE, WIDE))
+    layer(torch.randn(8, WIDE)).sum().backward()
     with torch.no_grad():
-        layer(torch.randn(4, 3))
+        layer(torch.randn(8, WIDE))
     graphs = _graphs(layer)
     assert len(graphs) == 2  # the gradient graph and the inference graph
     allowed = os.sched_getaffinity(0)
@@ -48,13 +54,13 @@ def test_workers_run_on_every_core_but_the_callers():
 
 @pinnable
 def test_workers_follow_the_caller_to_another_core(monkeypatch):
-    layer = OnnxModule(linear_model(3, 2))
-    layer(torch.randn(4, 3)).sum().backward()
+    layer = OnnxModule(linear_model(WIDE, WIDE))
+    layer(torch.randn(8, WIDE)).sum().backward()
     (graph,) = layer._bridge._gradient_graphs.values()
     first, second = sorted(os.sched_getaffinity(0))[:2]
     for cpu in (first, second, first):
         monkeypatch.setattr(_threads, "_getcpu", lambda cpu=cpu: cpu)
-        layer(torch.randn(4, 3)).sum().backward()
+        layer(torch.randn(8, WIDE)).sum().backward()
         for pinning in graph.pinnings:
             assert pinning.cpu == cpu
             for tid in pinning.workers:
@@ -295,9 +301,39 @@ def test_the_onnxruntime_engine_rests_openmp_the_training_agent_does_not():
     engine's sessions); where they sleep, it made the agent's steps slower."""
     backends = ["onnxruntime"] + (["training-agent"] if _ort.has_training() else [])
     for backend in backends:
-        layer = OnnxModule(linear_model(3, 2), backend=backend)
-        layer(torch.randn(4, 3)).sum().backward()
+        # Products large enough for the engine's sessions to keep torch's threads.
+        layer = OnnxModule(linear_model(WIDE, WIDE), backend=backend)
+        layer(torch.randn(8, WIDE)).sum().backward()
         (graph,) = layer._bridge._gradient_graphs.values()
         assert graph.pinnings and all(
             p.rests_openmp == (backend == "onnxruntime") for p in graph.pinnings
         ), backend
+
+
+@pytest.mark.parametrize(
+    "features, rows, threads",
+    [(3, 4, 1), (256, 16, 1), (1024, 8, None)],
+    ids=["tiny", "under-4M-multiply-adds", "8M-multiply-adds"],
+)
+def test_the_engines_sessions_run_on_one_thread_where_their_products_are_small(
+    features, rows, threads
+):
+    """The onnxruntime engine sizes its CPU sessions by their graphs' work: a
+    graph whose large products (1M multiply-adds or more each) total under 4M
+    runs on one thread (a second one's hand-overs cost more than it gives
+    back); larger work keeps torch's count (None). Not its inference session,
+    and never options the user gave."""
+    layer = OnnxModule(linear_model(features, features), backend="onnxruntime")
+    x = torch.randn(rows, features)
+    layer(x).sum().backward()
+    (graph,) = layer._bridge._gradient_graphs.values()
+    want = threads or torch.get_num_threads()
+    assert [s.get_session_options().intra_op_num_threads for s in graph.sessions] == [want] * 2
+    options = _ort.runtime().SessionOptions()
+    options.intra_op_num_threads = 3
+    mine = OnnxModule(
+        linear_model(features, features), backend="onnxruntime", session_options=options
+    )
+    mine(x).sum().backward()
+    (graph,) = mine._bridge._gradient_graphs.values()
+    assert [s.get_session_options().intra_op_num_threads for s in graph.sessions] == [3, 3]

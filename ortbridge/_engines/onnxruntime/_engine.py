@@ -54,6 +54,7 @@ from ._reverse_prep import (
     setting_positions,
 )
 from ._rules import own_rules
+from ._work import session_threads
 from .passes._fused_activations import declare_fused_outputs
 
 NAME = "onnxruntime"
@@ -482,9 +483,14 @@ def _load(model, part, device, session_options, providers):
     for node in model.graph.node:
         if not node.name and node.output:
             node.name = f"{node.op_type}_{node.output[0]}"
+    # ortbridge's own CPU options size the pool by the graph's work.
+    own_cpu = session_options is None and device.type == "cpu"
+    threads = session_threads(model) if own_cpu else None
     try:
         # Runs go through InferenceSession::Run, which stops the spinning on return.
-        return _session(model, device, session_options, providers, spin_within_runs=True)
+        return _session(
+            model, device, session_options, providers, spin_within_runs=True, threads=threads
+        )
     except OnnxModelError as exc:
         raise translate(
             exc.__cause__ or exc, f"load the {part} graph", model, refuse="onnxruntime"

@@ -150,12 +150,22 @@ def split(
         reads = set(outputs)
         for node in body:
             reads.update(node_reads(node))
+        # Outputs of contrib ops (the fused activations) keep their declared
+        # shapes: onnx's inference cannot give them, nor what reads them.
+        contrib = [
+            types[o]
+            for node in body
+            if node.domain not in ("", "ai.onnx")
+            for o in node.output
+            if o in types
+        ]
         g = helper.make_graph(
             body,
             graph.name,
             [info(n) for n in inputs],
             [info(n) for n in outputs],
             initializer=[inits[n] for n in inits if n in reads],
+            value_info=contrib,
         )
         m = helper.make_model(g, opset_imports=list(reverse.opset_import))
         m.ir_version = reverse.ir_version
