@@ -70,11 +70,13 @@ def _batch_norm_single_output(graph: onnx.GraphProto) -> None:
         extra = [name for name in node.output[1:] if name]
         used = [name for name in extra if name in read]
         if used:
+            # Named as normalisation names an unnamed node (it runs later).
+            label = node.name or f"{node.op_type}_{node.output[0]}"
             raise NotDifferentiableError(
-                f"node {node.name!r} (BatchNormalization): its statistics output(s) {used} are "
+                f"node {label!r} (BatchNormalization): its statistics output(s) {used} are "
                 "read by the graph; ortbridge computes a BatchNormalization's statistics from "
                 "the module's mode and can only give its first output to other nodes",
-                node=node.name,
+                node=label,
                 op_type=node.op_type,
             )
         if len(node.output) > 1:

@@ -169,13 +169,19 @@ def test_batch_norm_with_statistics_outputs(outputs, opset, extra):
     _check_batch_norm_modes(model, x)
 
 
-def test_batch_norm_statistics_outputs_read_are_refused():
+@pytest.mark.parametrize("name, label", [("bn_node", "bn_node"), ("", "BatchNormalization_y0")])
+def test_batch_norm_statistics_outputs_read_are_refused(name, label):
+    """Refused by the node's name; an unnamed node (ONNX's own test cases) by the
+    name normalisation gives it, its op type and first output."""
     model = _bn_model(("y0", "mean_out", "var_out", "sm", "sv"))
+    (bn,) = [n for n in model.graph.node if n.op_type == "BatchNormalization"]
+    bn.name = name
     model.graph.node.append(helper.make_node("Add", ["y0", "mean_out"], ["y"]))
     with pytest.raises(
-        NotDifferentiableError, match=r"'bn_node' \(BatchNormalization\).*'mean_out'"
-    ):
+        NotDifferentiableError, match=rf"'{label}' \(BatchNormalization\).*'mean_out'"
+    ) as caught:
         OnnxModule(model)
+    assert caught.value.node == label
 
 
 def test_ir7_conv_batch_norm_file():
