@@ -337,3 +337,18 @@ def test_the_engines_sessions_run_on_one_thread_where_their_products_are_small(
     mine(x).sum().backward()
     (graph,) = mine._bridge._gradient_graphs.values()
     assert [s.get_session_options().intra_op_num_threads for s in graph.sessions] == [3, 3]
+
+
+def test_the_thread_choice_reads_the_optimisers_shapes(monkeypatch):
+    """The engine sizes its pools from the forward's shapes the optimiser's last
+    inference left: no shape inference of its own (a build's cost)."""
+    from ortbridge._engines.onnxruntime import _work
+
+    def no_inference(model):
+        raise AssertionError("the thread choice ran a shape inference")
+
+    monkeypatch.setattr(_work, "_shapes", no_inference)
+    layer = OnnxModule(linear_model(256, 256), backend="onnxruntime")
+    layer(torch.randn(16, 256)).sum().backward()
+    (graph,) = layer._bridge._gradient_graphs.values()
+    assert [s.get_session_options().intra_op_num_threads for s in graph.sessions] == [1, 1]

@@ -341,6 +341,9 @@ class _Built:
         parts = _split.split(reverse, primal_outputs, seeds, adjoints)
         cut = passes.Graphs(forward=parts.forward, backward=parts.backward)
         passes.run(passes.BACKWARD, cut, static is not None)
+        # ortbridge's own CPU options size both pools by the forward's work.
+        own_cpu = session_options is None and device.type == "cpu" and static is not None
+        threads = session_threads(parts.forward, cut.forward_shapes) if own_cpu else None
         live = set(adjoints) - set(parts.zero_adjoints)
         position = {n: i for i, n in enumerate(feed_names)}
         self.grad_slots = [position[t] for t, a in zip(targets, adjoints) if a in live]
@@ -369,7 +372,7 @@ class _Built:
         self.fw_outputs = fw_outputs
         self.bw_inputs = [i.name for i in parts.backward.graph.input]
         self.bw_outputs = [o.name for o in parts.backward.graph.output]
-        self._loading = (device, session_options, providers)
+        self._loading = (device, session_options, providers, threads)
         # Sessions are made on the first run: a graph for other shapes (or
         # the shape-generic one) may be what runs.
         self.fw_session = self.fw_pinning = self.bw_session = self.bw_pinning = None
@@ -478,14 +481,11 @@ _TORCH_FLOATS = {
 }
 
 
-def _load(model, part, device, session_options, providers):
+def _load(model, part, device, session_options, providers, threads):
     # onnx-ad leaves its nodes unnamed: named, a failure can say which one.
     for node in model.graph.node:
         if not node.name and node.output:
             node.name = f"{node.op_type}_{node.output[0]}"
-    # ortbridge's own CPU options size the pool by the graph's work.
-    own_cpu = session_options is None and device.type == "cpu"
-    threads = session_threads(model) if own_cpu else None
     try:
         # Runs go through InferenceSession::Run, which stops the spinning on return.
         return _session(

@@ -12,15 +12,17 @@ Whisper's encoder 0.86x, ViT 0.86x, ConvNeXt 0.95x, SegFormer 0.97x, but
 MobileViT 1.23x, a small CNN 1.13x, ResNet 1.06x, a transformer layer of
 width 256 1.83x (an MLP and a UNet decoder 1.02x, a 2-layer LSTM 0.94x).
 
-What separated them: the multiply-adds of the graph's products and
+What separated them: the multiply-adds of the forward graph's products and
 convolutions of at least :data:`_LARGE` each (those a second thread
-shortens by more than its hand-over). Under :data:`_WORTH_THREADS` in all
-(SegFormer's backward 2.4M, the small transformers' and ConvNeXt's none;
-ResNet's forward 4.8M, MobileViT's 5.5M) and no tensor of :data:`_LARGE`
-elements (elementwise kernels split those), a session runs on one thread;
-otherwise on torch's count, as before. Scan and Loop bodies are not
-counted (the LSTM keeps two threads). Graphs of unknown shapes keep
-torch's count.
+shortens by more than its hand-over; the backward's are about twice the
+forward's). Under :data:`_WORTH_THREADS` in all (SegFormer's 1.2M, the
+small transformers' and ConvNeXt's none; ResNet's 4.8M, MobileViT's 5.5M,
+the others' 10M or more) and no tensor of :data:`_LARGE` elements
+(elementwise kernels split those), both sessions run on one thread;
+otherwise on torch's count, as before. The forward's shapes come from the
+optimiser's last inference of it, so the choice costs no inference of its
+own. Scan and Loop bodies are not counted (the LSTM keeps two threads).
+Graphs of unknown shapes keep torch's count.
 """
 
 from __future__ import annotations
@@ -32,19 +34,22 @@ from .passes._optimize import _shapes
 
 #: A product or convolution of at least this many multiply-adds gains from more threads.
 _LARGE = 1 << 20
-#: Multiply-adds in such operations below which a session runs on one thread.
-_WORTH_THREADS = 4 << 20
+#: Multiply-adds of the forward in such operations below which sessions run on one thread.
+_WORTH_THREADS = 2 << 20
 _PRODUCTS = frozenset({"MatMul", "Gemm", "FusedMatMul", "Conv", "ConvTranspose"})
 
 
-def session_threads(model: onnx.ModelProto) -> int | None:
-    """1 where ``model``'s large products are too few to pay for a second
-    thread; None (torch's count) otherwise or where shapes are unknown."""
-    shapes = _shapes(model)
+def session_threads(forward: onnx.ModelProto, shapes=None) -> int | None:
+    """1 where the ``forward`` graph's large products are too few to pay for a
+    second thread; None (torch's count) otherwise or where shapes are unknown.
+    ``shapes``: the forward's, where known (inferred if not)."""
+    shapes = _shapes(forward) if shapes is None else shapes
     if shapes is None:
         return None
     large = 0
-    for node in model.graph.node:
+    for node in forward.graph.node:
+        if node.op_type == "Constant":  # a rewrite's shapes and axes
+            continue
         for name in node.output:
             shape = shapes.get(name)
             if shape is None or not all(isinstance(d, int) for d in shape):

@@ -49,6 +49,9 @@ class Graphs:
     reverse: onnx.ModelProto | None = None
     forward: onnx.ModelProto | None = None
     backward: onnx.ModelProto | None = None
+    #: The forward graph's shapes as the last pass to infer them left them
+    #: (the engine sizes its sessions' thread pools by them): None if none did.
+    forward_shapes: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +70,16 @@ def _col2im_opset(g: Graphs) -> None:
 
 
 def _views_collapsed(g: Graphs) -> None:
-    # One shape inference for both: the transposes record the shapes they add.
+    # One shape inference for each graph: the transposes record the shapes
+    # they add; the forward's are kept (no later pass changes its shapes).
     for model in (g.backward, g.forward):
         shapes = _shapes(model)
         if shapes is not None:
             squeezed_transposes(model, shapes)
             if model is g.backward:
                 collapse_views(model, shapes)
+            else:
+                g.forward_shapes = shapes
 
 
 def _known_shape_forms(g: Graphs) -> None:
