@@ -29,6 +29,7 @@ from ._pool_grad import maxpool_gradients
 from ._reductions import fast_reductions
 from ._scalar_operands import full_rank_scalars
 from ._scatter_sums import concat_scatter_sums
+from ._short_broadcasts import spread_short_broadcasts
 from ._simplify import collapse_views, simplify
 from ._unit_transposes import squeezed_transposes
 from ._weight_products import weight_products
@@ -83,12 +84,13 @@ def _views_collapsed(g: Graphs) -> None:
 
 
 def _known_shape_forms(g: Graphs) -> None:
-    # Both read the shapes of the graph as it now is (new tensors they add
-    # are not rewritten again).
+    # All three read the shapes of the graph as it now is (new tensors they
+    # add are not rewritten again).
     found = facts(g.backward)
     if found is not None:
         fast_reductions(g.backward, found)
         full_rank_scalars(g.backward, found)
+        spread_short_broadcasts(g.backward, found)
 
 
 PASSES: tuple[Pass, ...] = (
@@ -123,7 +125,8 @@ PASSES: tuple[Pass, ...] = (
     # Products in loop bodies, once their views have collapsed.
     Pass("Scan products with outside weights", BACKWARD, True,
          lambda g: (fused_scan_products(g.backward), fused_scan_products(g.forward))),
-    Pass("reductions and scalar operands at known shapes", BACKWARD, True, _known_shape_forms),
+    Pass("reductions, scalar operands and short broadcasts at known shapes", BACKWARD, True,
+         _known_shape_forms),
     Pass("unread initializers dropped", BACKWARD, True,
          lambda g: drop_unread_initializers(g.backward.graph)),
 )  # fmt: skip
