@@ -402,7 +402,6 @@ def test_reductions_take_onnxruntime_fast_paths(op, axes, keepdims, opset):
     additions). Reducing unit axes only is left alone (a view, for
     collapse_views). Before opset 18 (13 for ReduceSum) the axes are an
     attribute (TorchScript's LayerNorm backward at opset 17)."""
-    import onnxruntime as ort
 
     from ortbridge._engines.onnxruntime.passes._reductions import fast_reductions
 
@@ -424,13 +423,9 @@ def test_reductions_take_onnxruntime_fast_paths(op, axes, keepdims, opset):
     fast_reductions(rewritten)
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
 
-    def run(m):
-        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, {"x": x})[0]
-
-    expected = run(model)
-    np.testing.assert_allclose(run(rewritten), expected, rtol=1e-6, atol=1e-6)
-    assert run(rewritten).shape == expected.shape
+    expected = _ort_run(model, {"x": x})[0]
+    np.testing.assert_allclose(_ort_run(rewritten, {"x": x})[0], expected, rtol=1e-6, atol=1e-6)
+    assert _ort_run(rewritten, {"x": x})[0].shape == expected.shape
     ops = [n.op_type for n in rewritten.graph.node]
     reduced = {a % len(shape) for a in axes if shape[a] != 1}
     if not reduced:  # unit axes only: untouched
@@ -455,7 +450,6 @@ def test_transposes_that_move_a_unit_axis_transpose_the_other_axes(shape, perm, 
     """onnxruntime's Transpose is up to 12x slower where a unit axis moves than
     its squeezed form: such a Transpose becomes views around the Transpose of
     the other axes (a view alone where only unit axes move); the same values."""
-    import onnxruntime as ort
 
     from ortbridge._engines.onnxruntime.passes._optimize import _shapes
     from ortbridge._engines.onnxruntime.passes._unit_transposes import squeezed_transposes
@@ -475,11 +469,7 @@ def test_transposes_that_move_a_unit_axis_transpose_the_other_axes(shape, perm, 
     assert [n.op_type for n in rewritten.graph.node if n.op_type != "Constant"] == [*ops, "Neg"]
     feeds = {"x": np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
 
-    def run(m):
-        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, feeds)[0]
-
-    np.testing.assert_array_equal(run(rewritten), run(model))
+    np.testing.assert_array_equal(_ort_run(rewritten, feeds)[0], _ort_run(model, feeds)[0])
 
 
 @needs_engine
@@ -524,7 +514,6 @@ def test_short_broadcasts_spread_their_operand_first(big, small, spread, op):
     is spread by a product with ones and the op runs on same-shaped operands;
     the values are the same bits (the operand first, for Sub and Div, keeps
     its slot)."""
-    import onnxruntime as ort
 
     from ortbridge._engines.onnxruntime.passes._optimize import facts
     from ortbridge._engines.onnxruntime.passes._short_broadcasts import spread_short_broadcasts
@@ -550,11 +539,7 @@ def test_short_broadcasts_spread_their_operand_first(big, small, spread, op):
         "x": rng.standard_normal(big).astype(np.float32),
     }
 
-    def run(m):
-        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, feeds)[0]
-
-    np.testing.assert_array_equal(run(rewritten), run(model))
+    np.testing.assert_array_equal(_ort_run(rewritten, feeds)[0], _ort_run(model, feeds)[0])
 
 
 @needs_engine
@@ -579,7 +564,6 @@ def test_one_element_operands_get_the_rank_of_a_result_with_unit_axes(operand, s
     time, 80x slower than the same element at full rank: the operand is
     reshaped to (1,) * rank, the result unchanged. A result without unit axes
     is left alone."""
-    import onnxruntime as ort
 
     from ortbridge._engines.onnxruntime.passes._optimize import facts
     from ortbridge._engines.onnxruntime.passes._scalar_operands import full_rank_scalars
@@ -624,11 +608,7 @@ def test_one_element_operands_get_the_rank_of_a_result_with_unit_axes(operand, s
         "z": rng.standard_normal((4, 3)).astype(np.float32),
     }
 
-    def run(m):
-        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, feeds)
-
-    for got, expected in zip(run(rewritten), run(model)):
+    for got, expected in zip(_ort_run(rewritten, feeds), _ort_run(model, feeds)):
         assert got.shape == expected.shape
         np.testing.assert_array_equal(got, expected)
 
@@ -920,6 +900,15 @@ def test_torch_layers_train_with_torch_gradients(name, exporter):
     _compare(model, layer, x)
 
 
+def _ort_run(model, feeds, outputs=None) -> list:
+    """``model`` run by a plain onnxruntime session: the reference a rewrite's
+    graph is compared with."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(outputs, feeds)
+
+
 def _compare(model, layer, x):
     """Outputs, the input's gradient, and each weight's gradient found by name.
 
@@ -1133,7 +1122,6 @@ def test_gather_adjoints_of_an_unbind_are_one_concat():
 def test_zero_pads_tiling_one_axis_sum_as_a_concat(pads, tiles):
     """A Sum of zero Pads (the adjoints of Slices) whose pieces tile one axis,
     each once, is their Concat; anything else is left as it was."""
-    import onnxruntime as ort
 
     from ortbridge._engines.onnxruntime.passes._scatter_sums import concat_scatter_sums
 
@@ -1155,11 +1143,7 @@ def test_zero_pads_tiling_one_axis_sum_as_a_concat(pads, tiles):
     model, rewritten = make_model(graph), make_model(graph)
     concat_scatter_sums(rewritten)
 
-    def run(m):
-        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, feeds)[0]
-
-    np.testing.assert_array_equal(run(rewritten), run(model))
+    np.testing.assert_array_equal(_ort_run(rewritten, feeds)[0], _ort_run(model, feeds)[0])
     ops = [n.op_type for n in rewritten.graph.node]
     assert ops == (["Concat"] if tiles else ["Pad"] * len(pads) + ["Sum"]), ops
 
@@ -1263,7 +1247,6 @@ def test_backward_graph_opset_raised_to_18_where_exact():
     gradient of a convolution) where each node means the same: reductions'
     axes attributes become inputs, the values are unchanged; a graph holding
     an op whose schema changed (Split) keeps its opset."""
-    import onnxruntime as ort
 
     from ortbridge._engines.onnxruntime.passes._opset18 import raise_to_opset18
 
@@ -1287,11 +1270,7 @@ def test_backward_graph_opset_raised_to_18_where_exact():
     assert len(mean.input) == 2 and not [a for a in mean.attribute if a.name == "axes"]
     x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
 
-    def run(m):
-        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, {"x": x})[0]
-
-    np.testing.assert_array_equal(run(raised), run(model()))
+    np.testing.assert_array_equal(_ort_run(raised, {"x": x})[0], _ort_run(model(), {"x": x})[0])
     kept = model([helper.make_node("Split", ["y"], ["a", "b"], axis=0)])
     assert not raise_to_opset18(kept)
     assert kept.opset_import[0].version == 17
@@ -1368,7 +1347,6 @@ def test_the_forward_graph_declares_a_fused_kernels_output():
 def test_gelu_spelled_with_the_half_first_and_a_product_by_one_over_sqrt2_is_fused():
     """0.5 * x first, x * 0.7071 inside the Erf: the same GELU, one node, the
     same values; an intermediate read elsewhere keeps the graph as it is."""
-    import onnxruntime as ort
 
     from ortbridge._engines.onnxruntime.passes._fused_activations import fused_activations
 
@@ -1398,10 +1376,11 @@ def test_gelu_spelled_with_the_half_first_and_a_product_by_one_over_sqrt2_is_fus
     assert [(n.domain, n.op_type) for n in fused.graph.node] == [("com.microsoft", "Gelu")]
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
 
-    def run(m):
-        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(["y"], {"x": x})[0]
-
-    np.testing.assert_allclose(run(fused), run(model()), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        _ort_run(fused, {"x": x}, ["y"])[0],
+        _ort_run(model(), {"x": x}, ["y"])[0],
+        rtol=1e-6,
+        atol=1e-6,
+    )
     kept = model(extra_output=True)
     assert fused_activations(kept) == 0 and len(kept.graph.node) == 5
