@@ -189,9 +189,9 @@ def _col2im(node, found):
         if span < 0 or span // strides[axis] + 1 != count:
             return None
     stem = node.output[0]
-    w2, wt, g3, cols, w_shape_name, g_shape_name, image_name, block_name, flat = (
+    w2, wt, g3, cols, w_shape_name, g_shape_name, image_name, block_name = (
         _unique(f"{stem}/{s}", taken)
-        for s in ("w2", "wt", "g3", "cols", "w_shape", "g_shape", "image", "block", "flat")
+        for s in ("w2", "wt", "g3", "cols", "w_shape", "g_shape", "image", "block")
     )
     placed = stem if spatial == 2 else _unique(f"{stem}/image4", taken)
     nodes = [
@@ -214,6 +214,7 @@ def _col2im(node, found):
         ),
     ]
     if spatial == 1:
+        flat = _unique(f"{stem}/flat", taken)
         nodes += [
             _const(flat, [n, c_in, image[1]]),
             helper.make_node("Reshape", [placed, flat], [stem], node.name),

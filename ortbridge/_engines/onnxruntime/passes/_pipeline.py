@@ -72,7 +72,9 @@ def _col2im_opset(g: Graphs) -> None:
 
 def _views_collapsed(g: Graphs) -> None:
     # One shape inference for each graph: the transposes record the shapes
-    # they add; the forward's are kept (no later pass changes its shapes).
+    # they add; the forward's are kept for the thread choice (the one later
+    # pass on the forward, Scan products, adds tensors without shapes, and the
+    # choice then keeps torch's count).
     for model in (g.backward, g.forward):
         shapes = _shapes(model)
         if shapes is not None:

@@ -318,22 +318,22 @@ def _lift_views(model: onnx.ModelProto, shapes: dict) -> tuple[bool, bool]:
         changed = True
     del graph.node[:]
     graph.node.extend(_live(rewritten, {o.name for o in graph.output}))
-    return changed, _hidden_views(graph, views, shapes)
+    return changed, _hidden_views(graph, views, shapes, constants)
 
 
-def _hidden_views(graph: onnx.GraphProto, views: list, shapes: dict) -> bool:
+def _hidden_views(graph: onnx.GraphProto, views: list, shapes: dict, constants) -> bool:
     """Whether a reader of the new ``views`` (through Reshapes and Identities)
     is a view the lifting does not see through: only then can another round
     lift more. Each node reading a new view through Reshapes and Identities
     was seen with it already (lifted nodes come before their readers), and
     the collapse before the first round made every other view of static
     shapes a Reshape; what is left is a Squeeze, Unsqueeze, Flatten or
-    unit-axis ReduceSum whose shapes inference did not give."""
+    unit-axis ReduceSum whose shapes inference did not give. ``constants``:
+    the lifting's (the readers' axes are among them)."""
     readers: dict[str, list] = {}
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
-    constants = _constants(graph)
     todo = list(views)
     while todo:
         for reader in readers.get(todo.pop(), []):
