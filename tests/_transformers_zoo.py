@@ -3,7 +3,13 @@
 Random weights (no download), eval mode. :data:`ZOO` maps a name to a factory
 returning the transformers model and its inputs; :func:`exported` wraps the
 model so that it returns its last hidden state, perturbs its weights (an
-exporter merges initializers of equal values into one) and exports it:
+exporter merges initializers of equal values into one), sets its BatchNorm
+running statistics to those of its inputs, as a trained model's are (at
+their initial mean 0 and variance 1, each convolution block of the random
+MobileViT scales the gradient by about 0.1, and its first blocks' gradients
+are denormal numbers of about 1e-40: a check relative to the largest
+gradient then passes any value there, and a timing measures the processor's
+denormal arithmetic) and exports it:
 TorchScript with a dynamic batch and the parameters' names kept, or dynamo
 with static shapes and eager attention (torch.export cannot decompose the
 SDPA attention of several of them).
@@ -187,11 +193,28 @@ def exported(name: str, exporter: str):
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.rand_like(param) * 0.2 - 0.1)
+    _calibrate_batch_norms(model, inputs)
     if exporter == "dynamo":
         return model, inputs, export(model, inputs, dynamic_batch=False)
     names = ["x", "mask"][: len(inputs)]
     dynamic = {n: {0: "batch"} for n in names}
     return model, inputs, export_torchscript(model, inputs, input_names=names, dynamic_axes=dynamic)
+
+
+def _calibrate_batch_norms(model, inputs):
+    """Each BatchNorm's running statistics: those of ``inputs`` (one forward
+    in training mode, a cumulative average); the model stays in eval mode."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    momenta = [norm.momentum for norm in norms]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None
+        norm.train()
+    with torch.no_grad():
+        model(*inputs)
+    for norm, momentum in zip(norms, momenta):
+        norm.momentum = momentum
+        norm.eval()
 
 
 def gradient_errors(model, layer, inputs) -> dict:

@@ -79,3 +79,22 @@ def test_auto_leaves_the_agent_whose_backward_fails_before_the_first_step(train)
     assert layer.backend == ORT
     assert "backward failed on the first call's inputs" in layer.backend_reason
     assert all(p.grad is not None for p in layer.parameters())
+
+
+def test_zoo_gradients_are_normal_numbers():
+    """The zoo's random MobileViT at its BatchNorms' initial statistics has
+    first-block gradients of about 1e-40 (denormal): relative to the largest
+    gradient, such a check passes any value. ``exported`` sets the running
+    statistics to its inputs' (as a trained model's), and every nonzero
+    gradient is then far from float32's denormal range."""
+    import torch
+
+    model, inputs, _ = _cached("mobilevit", "torchscript")
+    model.zero_grad()
+    x = [t.clone().requires_grad_(True) for t in inputs]
+    (model(*x) ** 2).sum().backward()
+    floor = 1e3 * torch.finfo(torch.float32).tiny
+    tops = {n: float(p.grad.abs().max()) for n, p in model.named_parameters() if p.grad is not None}
+    tops["input"] = float(x[0].grad.abs().max())
+    small = {n: v for n, v in tops.items() if 0 < v < floor}
+    assert not small, f"gradients near the denormal range: {small}"

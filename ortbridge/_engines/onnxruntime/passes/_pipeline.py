@@ -30,7 +30,7 @@ from ._reductions import fast_reductions
 from ._scalar_operands import full_rank_scalars
 from ._scatter_sums import concat_scatter_sums
 from ._short_broadcasts import spread_short_broadcasts
-from ._simplify import collapse_views, simplify
+from ._simplify import collapse_views, merge_reshapes, simplify
 from ._unit_transposes import squeezed_transposes
 from ._weight_products import weight_products
 from .scan._hoist import hoisted_step_work
@@ -87,12 +87,15 @@ def _views_collapsed(g: Graphs) -> None:
 
 def _known_shape_forms(g: Graphs) -> None:
     # All three read the shapes of the graph as it now is (new tensors they
-    # add are not rewritten again).
+    # add are not rewritten again). The views the reductions end with often
+    # feed another view: each node costs onnxruntime a dispatch, so chains
+    # become one (no shapes needed).
     found = facts(g.backward)
     if found is not None:
         fast_reductions(g.backward, found)
         full_rank_scalars(g.backward, found)
         spread_short_broadcasts(g.backward, found)
+        merge_reshapes(g.backward.graph)
 
 
 PASSES: tuple[Pass, ...] = (
