@@ -340,3 +340,96 @@ def test_detector_forms_train_under_the_default_backend():
         report = ortbridge.gradcheck(module, torch.randn(*shape))
         assert report, report
     assert all(module.onnx_weight(w).requires_grad for w in ("w1", "w2", "w3"))
+
+
+DEPTHWISE = {
+    "3x3": (lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4), [(2, 4, 8, 9), (3, 4, 5, 6)]),
+    "strided": (lambda: nn.Conv2d(3, 3, 3, stride=2, padding=1, groups=3), [(2, 3, 9, 10)]),
+    "dilated": (lambda: nn.Conv2d(2, 2, 3, dilation=2, padding=2, groups=2), [(2, 2, 7, 6)]),
+    "uneven": (
+        lambda: nn.Conv2d(3, 3, (1, 3), stride=(1, 2), padding=(0, 1), groups=3, bias=False),
+        [(2, 3, 5, 11)],
+    ),
+    "2x2-unpadded": (lambda: nn.Conv2d(5, 5, 2, groups=5), [(1, 5, 6, 5)]),
+}
+
+
+def _backward_graphs(module):
+    for graph in module._bridge._gradient_graphs.values():
+        for built in graph._in_use():
+            yield built.split.backward.graph
+
+
+@pytest.mark.parametrize("case", list(DEPTHWISE))
+def test_depthwise_weight_gradient_as_im2col(case):
+    """A depthwise Conv of at most 9 taps over at least 16 output positions
+    gets its weight gradient as im2col and a batched MatMul (onnxruntime runs
+    the grouped Conv on one thread): torch's gradients at each shape, and the
+    grouped weight-gradient Conv not built."""
+    make, shapes = DEPTHWISE[case]
+    torch.manual_seed(0)
+    layer = _perturbed(make())
+    module = OnnxModule(_export(layer, torch.randn(*shapes[0])), backend=ORT)
+    for shape in shapes:
+        x = torch.randn(*shape, requires_grad=True)
+        for p in layer.parameters():
+            p.grad = None
+        module.zero_grad()
+        compare_with_torch(layer, module, [x], rtol=1e-4, atol=1e-4)
+    graphs = list(_backward_graphs(module))
+    assert len(graphs) == len(shapes)
+    for graph in graphs:
+        assert any(n.op_type == "MatMul" and "depthwise_w" in n.name for n in graph.node)
+        assert not _grouped_weight_convs(graph)
+
+
+def _grouped_weight_convs(graph):
+    return [n.name for n in graph.node if n.op_type == "Conv" and "grouped_conv_w" in n.name]
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: nn.Conv2d(3, 3, 5, padding=2, groups=3), (2, 3, 8, 8)),  # 25 taps
+        (lambda: nn.Conv2d(3, 3, 3, padding=1, groups=3), (2, 3, 3, 3)),  # 9 positions
+        (lambda: nn.Conv2d(4, 8, 3, padding=1, groups=4), (2, 4, 8, 8)),  # two filters a group
+    ],
+    ids=["5x5", "small-image", "multiplier"],
+)
+def test_depthwise_weight_gradient_keeps_the_grouped_conv(make, shape):
+    """Larger kernels and smaller images measured slower as im2col (a 5x5 1.6x
+    on one thread, a 2x2 image 1.5x): their weight gradient stays one grouped
+    Conv, as does a depthwise Conv of several filters a channel."""
+    torch.manual_seed(0)
+    layer = _perturbed(make())
+    module = OnnxModule(_export(layer, torch.randn(*shape)), backend=ORT)
+    compare_with_torch(
+        layer, module, [torch.randn(*shape, requires_grad=True)], rtol=1e-4, atol=1e-4
+    )
+    (graph,) = _backward_graphs(module)
+    assert _grouped_weight_convs(graph)
+
+
+def test_depthwise_weight_gradient_under_auto_pad_matches_finite_differences():
+    """auto_pad SAME_UPPER with stride 2 (tf2onnx writes it): the im2col Conv
+    takes the forward's window attributes as they are (float32: onnxruntime
+    has no float64 Conv)."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.normal(size=(3, 1, 3, 3)).astype(np.float32), "w")
+    node = helper.make_node(
+        "Conv", ["x", "w"], ["y"], group=3, strides=[2, 2], auto_pad="SAME_UPPER"
+    )
+    graph = helper.make_graph(
+        [node],
+        "depthwise",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8, 9])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 5])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    module = OnnxModule(model, backend=ORT)
+    x = torch.randn(2, 3, 8, 9)
+    report = ortbridge.gradcheck(module, x)
+    assert report, report
+    (graph,) = _backward_graphs(module)
+    assert any("depthwise_w" in n.name for n in graph.node)
