@@ -67,6 +67,7 @@ def _check_layer(layer, shapes, input_grad=True):
             p.grad = None
         module.zero_grad()
         compare_with_torch(layer, module, [x], rtol=1e-4, atol=1e-4)
+    return module
 
 
 TRANSPOSED = {
@@ -368,14 +369,7 @@ def test_depthwise_weight_gradient_as_im2col(case):
     grouped weight-gradient Conv not built."""
     make, shapes = DEPTHWISE[case]
     torch.manual_seed(0)
-    layer = _perturbed(make())
-    module = OnnxModule(_export(layer, torch.randn(*shapes[0])), backend=ORT)
-    for shape in shapes:
-        x = torch.randn(*shape, requires_grad=True)
-        for p in layer.parameters():
-            p.grad = None
-        module.zero_grad()
-        compare_with_torch(layer, module, [x], rtol=1e-4, atol=1e-4)
+    module = _check_layer(make(), shapes)
     graphs = list(_backward_graphs(module))
     assert len(graphs) == len(shapes)
     for graph in graphs:
