@@ -202,6 +202,31 @@ def test_conv_weight_gradient_by_im2col_matches_torch(c_in, stride, padding, bat
 
 @needs_engine
 @pytest.mark.parametrize(
+    ("c_in", "c_out", "batch", "size"), [(3, 5, 4, (6, 5)), (64, 96, 2, (4, 3)), (8, 4, 1, (5, 7))]
+)
+def test_pointwise_conv_weight_gradient_is_one_matmul(c_in, c_out, batch, size):
+    """A 1x1 convolution's weight gradient, onnx-ad's Conv whose one window is
+    its whole input, runs as one MatMul (``passes/_conv_grad.py``), whether
+    the im2col form would take it or not (64 -> 96 channels: its product too
+    large); a strided 1x1 (a dilated window) is left to the other forms.
+    Torch's gradients."""
+    torch.manual_seed(c_in)
+    model = nn.Sequential(
+        nn.Conv2d(c_in, c_out, 1), nn.Tanh(), nn.Conv2d(c_out, 3, 1, stride=2), nn.Tanh()
+    )
+    x = torch.randn(batch, c_in, *size)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    _compare(model, layer, x)
+    graph = layer._bridge.gradient_graph("train", [True] * 5, x.device, [x])
+    backward = graph.static_built([x]).split.backward.graph
+    products = [
+        n for n in backward.node if n.op_type == "MatMul" and n.output[0].endswith("/product")
+    ]
+    assert len(products) == 1, [(n.op_type, n.name) for n in backward.node]
+
+
+@needs_engine
+@pytest.mark.parametrize(
     "kernel, stride, padding, dilation, as_conv",
     [(3, 1, 1, 1, True), (3, 1, 0, 2, True), (3, 2, 1, 1, False), (5, 1, 2, 1, False)],
     ids=["3x3", "3x3-dilated", "3x3-strided", "5x5"],
