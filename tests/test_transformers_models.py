@@ -85,8 +85,9 @@ def test_zoo_gradients_are_normal_numbers():
     """The zoo's random MobileViT at its BatchNorms' initial statistics has
     first-block gradients of about 1e-40 (denormal): relative to the largest
     gradient, such a check passes any value. ``exported`` sets the running
-    statistics to its inputs' (as a trained model's), and every nonzero
-    gradient is then far from float32's denormal range."""
+    statistics to those of a batch of random images (as a trained model's
+    come from its data), and every nonzero gradient is then far from
+    float32's denormal range."""
     import torch
 
     model, inputs, _ = _cached("mobilevit", "torchscript")

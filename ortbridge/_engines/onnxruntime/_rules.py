@@ -34,12 +34,12 @@ from __future__ import annotations
 import contextlib
 import functools
 
-import numpy as np
 import onnx
 
 from ortbridge._prepare._onnx_utils import node_reads
 
 from ._fold import in_onnx_ad
+from .passes._conv_grad import one_hot_kernels
 
 
 @contextlib.contextmanager
@@ -263,10 +263,7 @@ def _depthwise_weight(ctx, node, xs, ws, ys, grad):
     b = ctx.b
     channels, (kh, kw), (h, w) = ws[0], ws[2:], ys[2:]
     taps = kh * kw
-    dtype = ctx.dtype(node.input[0])
-    kernels = np.zeros((taps, 1, kh, kw))
-    for tap in range(taps):
-        kernels[tap, 0, tap // kw, tap % kw] = 1
+    kernels = one_hot_kernels(kh, kw)
     # The forward's window: its pads (or auto_pad), strides and dilations.
     window = {
         a.name: onnx.helper.get_attribute_value(a)
@@ -274,7 +271,8 @@ def _depthwise_weight(ctx, node, xs, ws, ys, grad):
         if a.name in ("pads", "auto_pad", "strides", "dilations")
     }
     images = b.op("Reshape", [node.input[0], b.ints([-1, 1, *xs[2:]])])
-    cols = b.op("Conv", [images, b.constant(kernels, dtype)], stem="depthwise_cols", **window)
+    kernels = b.constant(kernels, ctx.dtype(node.input[0]))
+    cols = b.op("Conv", [images, kernels], stem="depthwise_cols", **window)
     cols = b.op("Reshape", [cols, b.ints([-1, channels, taps, h * w])])
     seeded = ctx.squeeze(ctx.full(grad, node.output[0]), [-1])
     grads = b.op("Reshape", [seeded, b.ints([-1, channels, h * w, 1])])

@@ -303,12 +303,8 @@ def _rewrite(node, found):
     shape_names = [_unique(f"{stem}/{s}", taken) for s in ("cols_shape", "g_shape", "w_shape")]
     axes, summed, w4 = (_unique(f"{stem}/{s}", taken) for s in ("axes", "summed", "w4"))
     colst = _unique(f"{stem}/cols_t", taken)
-    # One-hot kernels: output channel (i, a, b) of the depthwise Conv picks X[i] at (a, b).
-    kernels = np.zeros((c_in * kh * kw, 1, kh, kw), dtype=helper.tensor_dtype_to_np_dtype(types[x]))
-    for i in range(c_in):
-        for a in range(kh):
-            for b in range(kw):
-                kernels[(i * kh + a) * kw + b, 0, a, b] = 1
+    # Output channel (i, a, b) of the depthwise Conv picks X[i] at (a, b).
+    kernels = one_hot_kernels(kh, kw, c_in, helper.tensor_dtype_to_np_dtype(types[x]))
     return [
         helper.make_node("Constant", [], [onehot], value=numpy_helper.from_array(kernels)),
         helper.make_node(
@@ -331,6 +327,14 @@ def _rewrite(node, found):
         helper.make_node("Reshape", [summed, shape_names[2]], [w4]),
         helper.make_node("Transpose", [w4], [node.output[0]], node.name, perm=[1, 0, 2, 3]),
     ]
+
+
+def one_hot_kernels(kh, kw, copies=1, dtype=np.float32) -> np.ndarray:
+    """``copies * kh * kw`` Conv kernels of one input channel, kernel ``c * kh
+    * kw + t`` one at window element ``t`` (row-major): convolved with ``group=
+    copies`` they gather every window element of each image (im2col)."""
+    taps = kh * kw
+    return np.tile(np.eye(taps, dtype=dtype), (copies, 1)).reshape(copies * taps, 1, kh, kw)
 
 
 def _static(shape) -> bool:
