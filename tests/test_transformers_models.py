@@ -99,3 +99,21 @@ def test_zoo_gradients_are_normal_numbers():
     tops["input"] = float(x[0].grad.abs().max())
     small = {n: v for n, v in tops.items() if 0 < v < floor}
     assert not small, f"gradients near the denormal range: {small}"
+
+
+@pytest.mark.skipif(ORT not in ENGINES, reason="onnx-ad is not installed")
+@pytest.mark.parametrize("name", ["convnext", "mobilevit"])
+def test_small_depthwise_convs_as_products_at_the_benchmark_batch(name):
+    """At the benchmark's batch of 16 the depthwise Convs of ConvNeXt's 8x8 and
+    4x4 stages (7x7 kernels) and MobileViT's small stages become products by a
+    matrix per channel (``passes._dense_depthwise``; at the zoo's own two rows
+    they stay Convs): torch's gradients, and the forward graphs built so."""
+    model, inputs, proto = _cached(name, "torchscript")
+    batch = [t.repeat(8, *[1] * (t.dim() - 1)) for t in inputs]
+    layer = OnnxModule(proto, backend=ORT)
+    found = gradient_errors(model, layer, batch)
+    assert found["output"] < 1e-4
+    wrong = {k: e for k, e in found["errors"].items() if e > 1e-3}
+    assert not wrong, f"gradients unlike torch's (relative error): {wrong}"
+    built = [b for g in layer._bridge._gradient_graphs.values() for b in g._in_use()]
+    assert any(n.op_type == "OneHot" for b in built for n in b.split.forward.graph.node)

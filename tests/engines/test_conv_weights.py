@@ -361,8 +361,17 @@ def _backward_graphs(module):
             yield built.split.backward.graph
 
 
+@pytest.fixture
+def no_dense_depthwise(monkeypatch):
+    """The depthwise Conv kept (a small image's would become products first:
+    ``tests/engines/test_dense_depthwise.py``)."""
+    from ortbridge._engines.onnxruntime.passes import _dense_depthwise
+
+    monkeypatch.setattr(_dense_depthwise, "MAX_ONE_HOT", 0)
+
+
 @pytest.mark.parametrize("case", list(DEPTHWISE))
-def test_depthwise_weight_gradient_as_im2col(case):
+def test_depthwise_weight_gradient_as_im2col(case, no_dense_depthwise):
     """A depthwise Conv of at most 9 taps over at least 16 output positions
     gets its weight gradient as im2col and a batched MatMul (onnxruntime runs
     the grouped Conv on one thread): torch's gradients at each shape, and the
@@ -390,7 +399,7 @@ def _grouped_weight_convs(graph):
     ],
     ids=["5x5", "small-image", "multiplier"],
 )
-def test_depthwise_weight_gradient_keeps_the_grouped_conv(make, shape):
+def test_depthwise_weight_gradient_keeps_the_grouped_conv(make, shape, no_dense_depthwise):
     """Larger kernels and smaller images measured slower as im2col (a 5x5 1.6x
     on one thread, a 2x2 image 1.5x): their weight gradient stays one grouped
     Conv, as does a depthwise Conv of several filters a channel."""
@@ -400,7 +409,7 @@ def test_depthwise_weight_gradient_keeps_the_grouped_conv(make, shape):
     assert _grouped_weight_convs(graph)
 
 
-def test_depthwise_weight_gradient_under_auto_pad_matches_finite_differences():
+def test_depthwise_weight_gradient_under_auto_pad_matches_finite_differences(no_dense_depthwise):
     """auto_pad SAME_UPPER with stride 2 (tf2onnx writes it): the im2col Conv
     takes the forward's window attributes as they are (float32: onnxruntime
     has no float64 Conv)."""

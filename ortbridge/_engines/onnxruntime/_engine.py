@@ -306,7 +306,8 @@ class _Built:
         stat_outputs, self.masks = _train_ops.lower_training_nodes(m, batch_norms)
         refuse_old_ceil_pools(m)  # before prepare rewrites the pools
         prepare(m)
-        passes.run(passes.PRIMAL, passes.Graphs(primal=m), static is not None)
+        if not check_only:  # the primal passes make it faster to run, not differentiable
+            passes.run(passes.PRIMAL, passes.Graphs(primal=m), static is not None)
         declare_outputs(m)
         if static is None and any(
             mask.shape is None or any(d is None for d in mask.shape) for mask in self.masks

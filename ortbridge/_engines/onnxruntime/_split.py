@@ -27,7 +27,7 @@ from onnx import helper
 from ortbridge._prepare._lookup import _all_names, _unique
 from ortbridge._prepare._onnx_utils import node_reads
 
-from .passes._simplify import _VIEWS
+from .passes._simplify import _RANDOM, _VIEWS
 
 
 @dataclasses.dataclass
@@ -241,18 +241,32 @@ _COPY_OPS = frozenset(
 
 
 def _copies_of_inputs(nodes, forward_idx, graph, seeds, inits) -> set[int]:
-    """Forward nodes computing copies of graph inputs through copy ops alone."""
+    """Forward nodes computing copies of graph inputs through copy ops alone,
+    and what depends on constants only (onnxruntime folds it when it loads
+    the backward), and a ``MatMul`` of such a copy by a constant (a weight
+    spread over a constant matrix: weight-sized work, where saving it keeps
+    a tensor per step)."""
     sources = {i.name for i in graph.input if i.name not in seeds} | inits
+    constants = set(inits)
     found = set()
     for idx in sorted(forward_idx):  # topological order
         node = nodes[idx]
-        if (
-            node.op_type in _COPY_OPS
-            and node.domain in ("", "ai.onnx")
-            and all(r in sources for r in node_reads(node))
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        reads = node_reads(node)
+        if not all(r in sources for r in reads):
+            continue
+        if node.op_type == "Constant" or (
+            reads and node.op_type not in _RANDOM and all(r in constants for r in reads)
         ):
-            found.add(idx)
-            sources.update(o for o in node.output if o)
+            constants.update(o for o in node.output if o)
+        elif not (
+            node.op_type in _COPY_OPS
+            or (node.op_type == "MatMul" and any(r in constants for r in reads))
+        ):
+            continue
+        found.add(idx)
+        sources.update(o for o in node.output if o)
     return found
 
 

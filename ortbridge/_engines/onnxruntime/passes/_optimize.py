@@ -202,18 +202,31 @@ def _inferred(model: onnx.ModelProto) -> onnx.ModelProto | None:
 
 
 def _shapes_of(inferred: onnx.ModelProto) -> dict[str, tuple]:
-    found = {}
+    return _shapes_and_types(inferred)[0]
+
+
+def _shapes_and_types(inferred: onnx.ModelProto) -> tuple[dict, dict]:
+    """Each tensor's shape (ints; a symbol's name or None where unknown) and
+    element type, as ``inferred``'s value infos and initializers give them."""
+    shapes, types = {}, {}
     g = inferred.graph
-    for vi in list(g.input) + list(g.value_info) + list(g.output):
-        tt = vi.type.tensor_type
-        if tt.HasField("shape"):
-            found[vi.name] = tuple(
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                for d in tt.shape.dim
-            )
+    for field in (g.input, g.value_info, g.output):
+        for vi in field:
+            tt = vi.type.tensor_type
+            if tt.elem_type:
+                types[vi.name] = tt.elem_type
+            if tt.HasField("shape"):
+                dims = [d.dim_value for d in tt.shape.dim]
+                if 0 in dims:  # a symbol or an unknown size reads as 0: look closer
+                    dims = [
+                        d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                        for d in tt.shape.dim
+                    ]
+                shapes[vi.name] = tuple(dims)
     for init in g.initializer:
-        found[init.name] = tuple(init.dims)
-    return found
+        shapes[init.name] = tuple(init.dims)
+        types[init.name] = init.data_type
+    return shapes, types
 
 
 def _transpose_of_unit_axes(node, shapes, taken):
@@ -298,17 +311,14 @@ def facts(model: onnx.ModelProto) -> Facts | None:
     inferred = _inferred(model)  # one inference pass gives shapes and types
     if inferred is None:
         return None
-    types = {i.name: i.data_type for i in inferred.graph.initializer}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        if vi.type.tensor_type.elem_type:
-            types[vi.name] = vi.type.tensor_type.elem_type
+    shapes, types = _shapes_and_types(inferred)
     graph = model.graph
     readers: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
     return Facts(
-        _shapes_of(inferred),
+        shapes,
         types,
         {o: n for n in graph.node for o in n.output},
         readers,

@@ -21,6 +21,7 @@ import onnx
 from ortbridge._prepare._onnx_utils import drop_unread_initializers
 
 from ._conv_grad import conv_input_gradients, conv_weight_gradients
+from ._dense_depthwise import dense_depthwise
 from ._fused_activations import fused_activations
 from ._norm_stats import forward_norm_statistics
 from ._opset18 import raise_to_opset18
@@ -100,6 +101,7 @@ def _known_shape_forms(g: Graphs) -> None:
 
 PASSES: tuple[Pass, ...] = (
     Pass("GELU and SiLU as one kernel", PRIMAL, False, lambda g: fused_activations(g.primal)),
+    Pass("small depthwise Convs as products", PRIMAL, True, lambda g: dense_depthwise(g.primal)),
     Pass("folding, unit-axis transposes, ReLU masks", REVERSE, False,
          lambda g: optimize_reverse(g.reverse)),
     Pass("chains of views as one view", REVERSE, True, lambda g: simplify(g.reverse)),
