@@ -133,9 +133,15 @@ def subgraph_reads(graph: onnx.GraphProto) -> set[str]:
     return reads
 
 
+#: Default-domain ops whose attributes may hold a graph.
+_WITH_BODIES = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
 def node_reads(node: onnx.NodeProto) -> list[str]:
     """The tensors ``node`` reads, including those its subgraphs read from outside."""
     names = [n for n in node.input if n]
+    if node.op_type not in _WITH_BODIES and node.domain in ("", "ai.onnx"):
+        return names  # no body: the attributes need no look (most nodes, every pass)
     for attr in node.attribute:
         if attr.type == onnx.AttributeProto.GRAPH:
             names.extend(sorted(subgraph_reads(attr.g)))

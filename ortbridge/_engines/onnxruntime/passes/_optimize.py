@@ -264,8 +264,16 @@ def reduce_axes(node, constants) -> list | None:
 
 
 def _const(name, values):
-    value = numpy_helper.from_array(np.array(values, dtype=np.int64))
-    return helper.make_node("Constant", [], [name], value=value)
+    """``Constant`` int64 ``values`` named ``name``: the node ``make_node`` and
+    ``from_array`` write, built directly (half their time; the passes make
+    hundreds a build)."""
+    array = np.asarray(values, dtype="<i8")
+    tensor = onnx.TensorProto(
+        dims=array.shape, data_type=onnx.TensorProto.INT64, raw_data=array.tobytes()
+    )
+    node = onnx.NodeProto(op_type="Constant", output=[name])
+    node.attribute.add(name="value", type=onnx.AttributeProto.TENSOR, t=tensor)
+    return node
 
 
 def _is_zero(name, constants) -> bool:
