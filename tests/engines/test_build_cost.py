@@ -8,6 +8,7 @@ graph that never runs, cost minutes there.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from conftest import ENGINES, export
@@ -390,3 +391,109 @@ def test_node_reads_looks_into_bodies_only_where_there_can_be_one():
     assert node_reads(plain) == ["x"]
     assert node_reads(branch) == ["cond", "outer", "outer"]
     assert node_reads(contrib) == ["x", "outer"]
+
+
+def _constant_if_model() -> onnx.ModelProto:
+    """An ``If`` on a constant condition: onnx-ad inlines the branch taken."""
+    branch = helper.make_graph(
+        [helper.make_node("Mul", ["x", "x"], ["b"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 3])],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["c"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 3])],
+    )
+    nodes = [
+        helper.make_node("Constant", [], ["flag"], value=numpy_helper.from_array(np.array(True))),
+        helper.make_node("If", ["flag"], ["y"], then_branch=branch, else_branch=other),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "branching",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    )
+    return make_model(graph)
+
+
+def _function_op_model() -> onnx.ModelProto:
+    """A ``Celu``: the spec defines it as a function body, which onnx-ad expands."""
+    graph = helper.make_graph(
+        [helper.make_node("Celu", ["x"], ["y"], alpha=0.5)],
+        "celu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    )
+    return make_model(graph)
+
+
+@needs_engine
+@pytest.mark.parametrize(
+    "make, plain",
+    [(lambda: linear_model(3, 2), True), (_constant_if_model, False), (_function_op_model, False)],
+    ids=["plain", "constant-if", "function-op"],
+)
+def test_onnx_ad_steps_with_nothing_to_do_are_skipped_with_its_result(make, plain, monkeypatch):
+    """Inside ortbridge's context onnx-ad's reverse pass gives the bytes it gives
+    alone, and on a graph with no ``If``, control flow or function to expand
+    it infers the model's shapes once (its tape's), not four times."""
+    from onnx_ad import _build
+    from onnx_ad import reverse as onnx_ad_reverse
+
+    from ortbridge._engines.onnxruntime._fold import in_onnx_ad
+
+    model = make()
+    alone = onnx_ad_reverse(model, layout="onnx").SerializeToString()
+    inferred = []
+    original = _build._infer
+    monkeypatch.setattr(_build, "_infer", lambda m: inferred.append(1) or original(m))
+    with in_onnx_ad():
+        ours = onnx_ad_reverse(model, layout="onnx").SerializeToString()
+    assert ours == alone
+    if plain:
+        assert len(inferred) == 1
+
+
+@needs_engine
+def test_facts_extended_by_added_nodes_equal_a_whole_inference():
+    """A rewrite that only adds nodes (and leaves some unread) gets the new
+    tensors' shapes and types from an inference of those nodes alone: the
+    same as inferring the whole graph again."""
+    from ortbridge._engines.onnxruntime.passes._optimize import (
+        extended,
+        facts,
+        flattened_product,
+    )
+
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["xt", "g"], ["prod"]),
+        helper.make_node("ReduceSum", ["prod", "axes"], ["y"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "summed",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 5, 3]),
+            helper.make_tensor_value_info("g", TensorProto.FLOAT, [4, 5, 2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])],
+        [numpy_helper.from_array(np.array([0], np.int64), "axes")],
+    )
+    model = make_model(graph)
+    found = facts(model)
+    added, product = flattened_product("x", "g", 3, 2, "flat", found.taken)
+    model.graph.node.extend(added)
+    grown = extended(found, model, added)
+    whole = facts(model)
+    for node in added:
+        for name in node.output:
+            assert grown.shapes[name] == whole.shapes[name]
+            assert grown.types[name] == whole.types[name]
+    assert grown.producer.keys() == whole.producer.keys()
+    assert grown.readers == whole.readers
+    assert grown.shapes[product] == (3, 2)

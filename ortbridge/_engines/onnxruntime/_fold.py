@@ -13,6 +13,13 @@ foldings (onnx-ad's function expansion, ortbridge's shape arithmetic, the
 reverse graph's; for the construction check and again for the first call's
 shapes), and their confirming sweeps took 8% of ConvNeXt's construction plus
 first step, 7% of MobileViT's.
+
+The same context skips three more of onnx-ad's steps where the graph holds
+nothing for them, each of which infers the whole model's shapes first:
+inlining ``If`` nodes of constant condition (none), expanding the spec's
+function ops (none without a rule) and hinting the shapes of control-flow
+outputs (no ``If``, ``Loop`` or ``Scan``). Their result is the model as it
+was; ConvNeXt's reverse passes took half their time without them.
 """
 
 from __future__ import annotations
@@ -86,7 +93,9 @@ def _sweep_without_shapes(model: onnx.ModelProto, max_elements: int) -> onnx.Mod
     for node in model.graph.node:
         result = None
         if node.op_type not in RANDOM and node.op_type != "Constant":
-            if all(name in values for name in node_reads(node)):
+            if all(name in values for name in node_reads(node)) and not _too_large(
+                node, values, max_elements
+            ):
                 result = _evaluate(ReferenceEvaluator, node, values, opset)
         if result is not None and all(v.size <= max_elements for v in result):
             for name, value in zip(node.output, result):
@@ -103,6 +112,16 @@ def _sweep_without_shapes(model: onnx.ModelProto, max_elements: int) -> onnx.Mod
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out
+
+
+def _too_large(node, values, max_elements) -> bool:
+    """Whether ``node`` makes a tensor the sweep would not keep, known before
+    evaluating it: a ``OneHot`` (the depthwise products' one-hot tensors, 200k
+    values, evaluated and dropped twice a build)."""
+    if node.op_type != "OneHot" or node.domain not in ("", "ai.onnx"):
+        return False
+    indices, depth = values[node.input[0]], values[node.input[1]]
+    return indices.size * int(abs(depth.ravel()[0])) > max_elements
 
 
 class _Constants(Mapping):
@@ -159,12 +178,99 @@ class _Constants(Mapping):
 @contextlib.contextmanager
 def in_onnx_ad():
     """onnx-ad's function expansion (inside its reverse pass) folding with
-    :func:`fold_constants`, restored on exit."""
-    from onnx_ad import expand
+    :func:`fold_constants`, and its function expansion, constant-``If``
+    inlining and control-flow shape hints skipped where the graph holds
+    nothing they would rewrite (:func:`_expand_functions`,
+    :func:`_inline_constant_ifs`, :func:`_control_flow_hints`); restored on exit."""
+    import importlib
 
-    original = expand.fold_constants
-    expand.fold_constants = fold_constants
+    from onnx_ad import _build, expand
+
+    # The module: the package's ``onnx_ad.reverse`` is the function it defines.
+    reverse_module = importlib.import_module("onnx_ad.reverse")
+    saved = [
+        (_build, "_control_flow_hints", _control_flow_hints(_build._control_flow_hints)),
+        (expand, "fold_constants", fold_constants),
+        (expand, "inline_constant_ifs", _inline_constant_ifs(expand.inline_constant_ifs)),
+        (reverse_module, "inline_constant_ifs", _inline_constant_ifs(expand.inline_constant_ifs)),
+        (reverse_module, "expand_functions", _expand_functions(reverse_module.expand_functions)),
+    ]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in saved]
+    for module, name, patched in saved:
+        setattr(module, name, patched)
     try:
         yield
     finally:
-        expand.fold_constants = original
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+def _control_flow_hints(original):
+    """onnx-ad's ``_control_flow_hints``, which copies the model and walks every
+    inferred shape to hint the outputs of ``If``, ``Loop`` and ``Scan`` nodes:
+    None (no hint), as it returns then, where the model has none."""
+
+    def hints(model, inferred):
+        from onnx_ad._graph import walk
+
+        flow = ("If", "Loop", "Scan")
+        if not any(node.op_type in flow for scope in walk(model.graph) for node in scope.node):
+            return None
+        return original(model, inferred)
+
+    return hints
+
+
+def _inline_constant_ifs(original):
+    """onnx-ad's ``inline_constant_ifs``, which infers the model's shapes before it
+    looks for an ``If``: a model without one is returned as it is, as onnx-ad
+    returns it (two whole shape inferences a reverse pass, on most graphs)."""
+
+    def inline(model):
+        from onnx_ad._graph import walk
+
+        if not any(node.op_type == "If" for scope in walk(model.graph) for node in scope.node):
+            return model
+        return original(model)
+
+    return inline
+
+
+def _expand_functions(original):
+    """onnx-ad's ``expand_functions`` where some node may be expanded; elsewhere
+    what it returns then (its first round: fold, no ``If`` to inline, nothing
+    expanded, constants localized) without building its expander (a whole
+    shape inference). A node may be expanded where it is in the default
+    domain, has no forward rule and its schema defines a function body."""
+
+    def expand_functions(model):
+        from onnx_ad.fold import localize_constants
+
+        if _expandable(model) or any(n.op_type == "If" for n in model.graph.node):
+            return original(model)
+        from onnx_ad import expand
+
+        return localize_constants(expand.fold_constants(model))
+
+    return expand_functions
+
+
+def _expandable(model: onnx.ModelProto) -> bool:
+    from onnx import defs
+    from onnx_ad._graph import subgraphs, walk
+    from onnx_ad.rules import FORWARD
+
+    opset = max([o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] or [18])
+    for scope in walk(model.graph):
+        for node in scope.node:
+            if subgraphs(node):
+                return True  # bodies: onnx-ad's own walk decides
+            if node.op_type in FORWARD or node.domain not in ("", "ai.onnx"):
+                continue
+            try:
+                schema = defs.get_schema(node.op_type, max_inclusive_version=opset)
+            except Exception:
+                continue  # onnx-ad's expander skips it too
+            if schema.has_function or schema.has_context_dependent_function:
+                return True
+    return False

@@ -51,14 +51,16 @@ runs faster than its depthwise ``ConvTranspose``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ortbridge._prepare._lookup import _unique
+from ortbridge._prepare._lookup import _all_names, _unique
 from ortbridge._prepare._onnx_utils import attr
 
-from ._optimize import _const, _perm, facts, replace_nodes
+from ._optimize import Facts, _const, _perm, facts, replace_nodes
 
 #: Kernels of at most this many taps (window elements) always take the im2col
 #: form (3x3 layers: measured faster whatever their filters).
@@ -67,26 +69,35 @@ _SMALL_KERNEL = 16
 _MAX_PRODUCT_RATIO = 4
 
 
-def conv_weight_gradients(model: onnx.ModelProto) -> None:
-    """Rewrite onnx-ad's weight-gradient convolutions of ``model`` in place."""
+def conv_weight_gradients(model: onnx.ModelProto) -> Facts | None:
+    """Rewrite onnx-ad's weight-gradient convolutions of ``model`` in place; the
+    facts read (None: none), which still hold for the tensors it did not add."""
     graph = model.graph
     if not any(n.op_type == "Conv" for n in graph.node):
-        return
+        return None
     found = facts(model)
     if found is not None:
         replace_nodes(graph, lambda node: _full_window(node, found) or _rewrite(node, found))
+    return found
 
 
-def conv_input_gradients(model: onnx.ModelProto) -> None:
+def conv_input_gradients(model: onnx.ModelProto, found: Facts | None = None) -> None:
     """Rewrite the ``ConvTranspose`` nodes of ``model`` as MatMul and Col2Im (a
-    depthwise one of stride 1 as a depthwise Conv), in place."""
+    depthwise one of stride 1 as a depthwise Conv), in place.
+
+    ``found``: facts read before rewrites that left the ``ConvTranspose``
+    nodes and what they read as they were (the weight gradients'): their
+    shapes are read from it, the names taken since from the graph."""
     graph = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if not any(n.op_type == "ConvTranspose" for n in graph.node):
         return
-    found = facts(model)
     if found is None:
-        return
+        found = facts(model)
+        if found is None:
+            return
+    else:
+        found = dataclasses.replace(found, taken=_all_names(graph))
 
     def rewrite(node):
         depthwise = _depthwise_conv(node, found)

@@ -66,9 +66,13 @@ class Pass:
     call: Callable[[Graphs], None]
 
 
-def _col2im_opset(g: Graphs) -> None:
+def _conv_gradients(g: Graphs) -> None:
+    # One shape inference for both: the weight gradients' rewrite leaves the
+    # input gradients' ConvTransposes, and what they read, as they were.
+    found = conv_weight_gradients(g.backward)
     if any(n.op_type == "ConvTranspose" for n in g.backward.graph.node):
         raise_to_opset18(g.backward)  # Col2Im's opset
+    conv_input_gradients(g.backward, found)
 
 
 def _views_collapsed(g: Graphs) -> None:
@@ -107,10 +111,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("chains of views as one view", REVERSE, True, lambda g: simplify(g.reverse)),
     Pass("norms' backward reads forward statistics", REVERSE, True,
          lambda g: forward_norm_statistics(g.reverse)),
-    Pass("Conv weight gradients as im2col", BACKWARD, True,
-         lambda g: conv_weight_gradients(g.backward)),
-    Pass("opset 18 for Col2Im", BACKWARD, True, _col2im_opset),
-    Pass("Conv input gradients", BACKWARD, True, lambda g: conv_input_gradients(g.backward)),
+    Pass("Conv gradients: weights as im2col, inputs as Col2Im (opset 18)", BACKWARD, True,
+         _conv_gradients),
     Pass("MaxPool gradients without indices", BACKWARD, True,
          lambda g: maxpool_gradients(g.backward, g.forward)),
     Pass("scatters that tile an axis as a Concat", BACKWARD, True,

@@ -26,7 +26,7 @@ from onnx import helper
 
 from ortbridge._prepare._lookup import _unique
 
-from ._optimize import _perm, facts, flattened_product, replace_nodes
+from ._optimize import _perm, extended, facts, flattened_product, replace_nodes
 from ._simplify import _VIEWS, _constants, _static, reshape
 
 
@@ -39,16 +39,16 @@ def weight_products(model: onnx.ModelProto) -> None:
         return
     if any(n.op_type == "ReduceSum" for n in model.graph.node):
         constants = _constants(model.graph)
-        summed = []
+        added = []
 
         def flatten(node):
             nodes = _summed_batches(node, found, constants)
-            summed.append(nodes is not None)
+            added.extend(nodes or [])
             return nodes
 
         replace_nodes(model.graph, flatten)
-        if any(summed):  # the new tensors' shapes
-            found = facts(model)
+        if added:  # the new tensors' shapes
+            found = extended(found, model, added)
             if found is None:
                 return
     replace_nodes(model.graph, lambda node: _rewrite(node, found))
