@@ -86,8 +86,8 @@ def test_view_simplification_infers_shapes_once(monkeypatch):
     feed = {"x": np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)}
     want = ReferenceEvaluator(model).run(None, feed)[0]
     calls = []
-    original = _simplify._shapes
-    monkeypatch.setattr(_simplify, "_shapes", lambda m: calls.append(1) or original(m))
+    original = _simplify._inferred
+    monkeypatch.setattr(_simplify, "_inferred", lambda m: calls.append(1) or original(m))
     simplified = onnx.ModelProto()
     simplified.CopyFrom(model)
     _simplify.simplify(simplified)
@@ -146,3 +146,68 @@ def test_view_lifting_runs_again_only_where_a_new_view_is_read_through_another_v
     assert len(calls) == rounds
     assert "Mul" in [n.op_type for n in model.graph.node]
     np.testing.assert_allclose(ReferenceEvaluator(model).run(None, feed)[0], want, rtol=1e-6)
+
+
+def test_handed_over_facts_equal_a_whole_inference(monkeypatch):
+    """The passes that read the facts the pass before them read (the norms
+    after the view simplification; the known-shape forms after the view
+    collapse, extended by the nodes added since) see what a whole inference
+    of the graph as it is gives: a small transformer block (LayerNorm, GELU,
+    attention products) built on the onnxruntime engine."""
+    import torch
+    from conftest import ENGINES, export
+    from torch import nn
+
+    from ortbridge import OnnxModule
+    from ortbridge._engines.onnxruntime.passes import _optimize
+
+    if "onnxruntime" not in ENGINES:
+        pytest.skip("onnx-ad is not installed")
+    compared = []
+
+    def reverse_checked(original):
+        def call(g):
+            shapes, types = g.reverse_shapes
+            whole = _optimize.facts(g.reverse)
+            for name, node in whole.producer.items():
+                # Its own shape constants' shapes, and added tensors' types, it does not hand over.
+                if node.op_type != "Constant" and name in whole.shapes:
+                    assert shapes.get(name) == whole.shapes[name], name
+                if name in types:
+                    assert types[name] == whole.types.get(name), name
+            norms = [n for n in g.reverse.graph.node if n.op_type == "LayerNormalization"]
+            assert norms and all(n.input[0] in types for n in norms)
+            compared.append("reverse")
+            return original(g)
+
+        return call
+
+    def backward_checked(original):
+        def call(g):
+            found = _pipeline._current_facts(g)
+            whole = _optimize.facts(g.backward)
+            for name in whole.producer:
+                assert found.shapes.get(name) == whole.shapes.get(name), name
+                assert found.types.get(name) == whole.types.get(name), name
+            assert found.producer.keys() == whole.producer.keys()
+            assert found.readers == whole.readers
+            assert found.taken >= set(whole.taken)
+            compared.append("backward")
+            return original(g)  # its own facts: the hand-over was taken above
+
+        return call
+
+    wrapped = []
+    for one in passes.PASSES:
+        if one.call is _pipeline._known_shape_forms:
+            one = passes.Pass(one.name, one.stage, one.static, backward_checked(one.call))
+        elif one.name == "norms' backward reads forward statistics":
+            one = passes.Pass(one.name, one.stage, one.static, reverse_checked(one.call))
+        wrapped.append(one)
+    monkeypatch.setattr(_pipeline, "PASSES", tuple(wrapped))
+    torch.manual_seed(0)
+    block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(4, 5, 16)
+    layer = OnnxModule(export(block, (x,)), backend="onnxruntime")
+    layer(x).sum().backward()
+    assert compared == ["reverse", "backward"]

@@ -21,8 +21,9 @@ from ._optimize import facts, reduce_axes
 from ._simplify import _constants
 
 
-def forward_norm_statistics(model: onnx.ModelProto) -> None:
-    """Rewrite ``model``'s main graph in place."""
+def forward_norm_statistics(model: onnx.ModelProto, known=None) -> None:
+    """Rewrite ``model``'s main graph in place. ``known``: the shapes and types
+    of its tensors, where the pass before left them (else inferred here)."""
     graph = model.graph
     norms = [
         n
@@ -31,9 +32,11 @@ def forward_norm_statistics(model: onnx.ModelProto) -> None:
     ]
     if not norms:
         return
-    found = facts(model)
-    if found is None:
-        return
+    if known is None:
+        found = facts(model)
+        if found is None:
+            return
+        known = found.shapes, found.types
     constants = _constants(graph)
     readers: dict[str, list] = {}
     for node in graph.node:
@@ -41,7 +44,7 @@ def forward_norm_statistics(model: onnx.ModelProto) -> None:
             readers.setdefault(name, []).append(node)
     replace = {}
     for norm in norms:
-        replace.update(_statistics(norm, found, constants, readers))
+        replace.update(_statistics(norm, *known, constants, readers))
     if replace:
         for node in graph.node:
             for pos, name in enumerate(node.input):
@@ -49,11 +52,11 @@ def forward_norm_statistics(model: onnx.ModelProto) -> None:
                     node.input[pos] = replace[name]
 
 
-def _statistics(norm, found, constants, readers) -> dict[str, str]:
+def _statistics(norm, shapes, types, constants, readers) -> dict[str, str]:
     """``{recomputed mean: norm's Mean, recomputed inverse std: norm's InvStdDev}``."""
     x = norm.input[0]
-    shape = found.shapes.get(x)
-    if shape is None or found.types.get(x) != onnx.TensorProto.FLOAT:
+    shape = shapes.get(x)
+    if shape is None or types.get(x) != onnx.TensorProto.FLOAT:
         return {}
     if attr(norm, "stash_type", 1) != 1:
         return {}

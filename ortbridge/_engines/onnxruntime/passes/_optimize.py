@@ -343,6 +343,9 @@ def extended(found: Facts, model: onnx.ModelProto, added: list) -> Facts | None:
     inference costs about ten times that on a backward graph; None where
     the partial one fails."""
     written = {o for n in added for o in n.output}
+    if not written:
+        producer, readers = _links(model.graph)
+        return dataclasses.replace(found, producer=producer, readers=readers)
     inputs, seen = [], set()
     for node in added:
         for name in node.input:

@@ -9,6 +9,12 @@ to (``BACKWARD``). Most need every shape known (``static``: graphs built for
 one input shape); the others run on the shape-generic graphs too. :data:`PASSES`
 is the order they run in; :func:`run` runs one stage's and names the pass an
 error came from.
+
+A pass keeps every tensor's name and shape (it may add tensors and leave
+others unread). Most read every shape, from one shape inference of the
+whole graph (:func:`._optimize.facts`); where a pass reads the shapes the
+one before it read, it takes them from :class:`Graphs` and infers only the
+nodes added since (:func:`._optimize.extended`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Callable
 
 import onnx
 
+from ortbridge._prepare._lookup import _all_names
 from ortbridge._prepare._onnx_utils import drop_unread_initializers
 
 from ._conv_grad import conv_input_gradients, conv_weight_gradients
@@ -25,7 +32,7 @@ from ._dense_depthwise import dense_depthwise
 from ._fused_activations import fused_activations
 from ._norm_stats import forward_norm_statistics
 from ._opset18 import raise_to_opset18
-from ._optimize import _shapes, facts, optimize_reverse
+from ._optimize import _shapes, extended, facts, optimize_reverse
 from ._pool_grad import maxpool_gradients
 from ._reductions import fast_reductions
 from ._scalar_operands import full_rank_scalars
@@ -54,6 +61,12 @@ class Graphs:
     #: The forward graph's shapes as the last pass to infer them left them
     #: (the engine sizes its sessions' thread pools by them): None if none did.
     forward_shapes: dict | None = None
+    #: The reverse graph's shapes and types as the view simplification left
+    #: them, for the pass after it (None: not simplified).
+    reverse_shapes: tuple | None = None
+    #: The backward's facts as the view collapse read them (the pass after it
+    #: extends them by the nodes added since).
+    backward_facts: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +77,10 @@ class Pass:
     stage: str
     static: bool
     call: Callable[[Graphs], None]
+
+
+def _views_simplified(g: Graphs) -> None:
+    g.reverse_shapes = simplify(g.reverse)
 
 
 def _conv_gradients(g: Graphs) -> None:
@@ -80,14 +97,31 @@ def _views_collapsed(g: Graphs) -> None:
     # they add; the forward's are kept for the thread choice (the one later
     # pass on the forward, Scan products, adds tensors without shapes, and the
     # choice then keeps torch's count).
-    for model in (g.backward, g.forward):
-        shapes = _shapes(model)
-        if shapes is not None:
-            squeezed_transposes(model, shapes)
-            if model is g.backward:
-                collapse_views(model, shapes)
-            else:
-                g.forward_shapes = shapes
+    found = facts(g.backward)
+    if found is not None:
+        squeezed_transposes(g.backward, found.shapes)
+        collapse_views(g.backward, found.shapes)
+        g.backward_facts = found
+    shapes = _shapes(g.forward)
+    if shapes is not None:
+        squeezed_transposes(g.forward, shapes)
+        g.forward_shapes = shapes
+
+
+def _current_facts(g: Graphs):
+    """The backward's facts: those the view collapse read, extended by the nodes
+    written since under new names (every other tensor keeps its name and
+    shape: the passes' contract), producers, readers and names taken read
+    from the graph as it is; inferred anew where there are none."""
+    found, g.backward_facts = g.backward_facts, None
+    if found is None:
+        return facts(g.backward)
+    graph = g.backward.graph
+    added = [n for n in graph.node if any(o and o not in found.producer for o in n.output)]
+    grown = extended(found, g.backward, added)
+    if grown is None:  # the partial inference failed: the whole graph's
+        return facts(g.backward)
+    return dataclasses.replace(grown, taken=_all_names(graph))
 
 
 def _known_shape_forms(g: Graphs) -> None:
@@ -95,7 +129,7 @@ def _known_shape_forms(g: Graphs) -> None:
     # add are not rewritten again). The views the reductions end with often
     # feed another view: each node costs onnxruntime a dispatch, so chains
     # become one (no shapes needed).
-    found = facts(g.backward)
+    found = _current_facts(g)
     if found is not None:
         fast_reductions(g.backward, found)
         full_rank_scalars(g.backward, found)
@@ -108,9 +142,9 @@ PASSES: tuple[Pass, ...] = (
     Pass("small depthwise Convs as products", PRIMAL, True, lambda g: dense_depthwise(g.primal)),
     Pass("folding, unit-axis transposes, ReLU masks", REVERSE, False,
          lambda g: optimize_reverse(g.reverse)),
-    Pass("chains of views as one view", REVERSE, True, lambda g: simplify(g.reverse)),
+    Pass("chains of views as one view", REVERSE, True, _views_simplified),
     Pass("norms' backward reads forward statistics", REVERSE, True,
-         lambda g: forward_norm_statistics(g.reverse)),
+         lambda g: forward_norm_statistics(g.reverse, g.reverse_shapes)),
     Pass("Conv gradients: weights as im2col, inputs as Col2Im (opset 18)", BACKWARD, True,
          _conv_gradients),
     Pass("MaxPool gradients without indices", BACKWARD, True,

@@ -40,20 +40,27 @@ from onnx import helper, numpy_helper
 from ortbridge._prepare._lookup import _all_names, _unique
 from ortbridge._prepare._onnx_utils import node_reads
 
-from ._optimize import _const, _shapes
+from ._optimize import _const, _inferred, _shapes, _shapes_and_types
 
 _VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 #: Rounds of lifting views (one lifts a chain; another may find more once collapsed).
 _MAX_PASSES = 3
 
 
-def simplify(model: onnx.ModelProto) -> None:
-    """Apply every rewrite of this module to ``model``'s main graph in place."""
+def simplify(model: onnx.ModelProto) -> tuple[dict, dict] | None:
+    """Apply every rewrite of this module to ``model``'s main graph in place.
+
+    Returns the shapes of the graph it leaves (every tensor it kept, and the
+    views it added; not its shape constants') and the element types of the
+    tensors it kept, for the next pass to read; None where shape inference
+    failed (nothing rewritten).
+    """
     # One shape inference for every round: the rewrites keep each tensor's
     # name and shape and record the shapes of the tensors they add.
-    shapes = _shapes(model)
-    if shapes is None:
-        return
+    inferred = _inferred(model)
+    if inferred is None:
+        return None
+    shapes, types = _shapes_and_types(inferred)
     collapse_views(model, shapes)
     for _ in range(_MAX_PASSES):  # a lifted view may be lifted again by the next node
         changed, more = _lift_views(model, shapes)
@@ -63,6 +70,7 @@ def simplify(model: onnx.ModelProto) -> None:
         if not more:
             break
     merge_duplicates(model.graph)
+    return shapes, types
 
 
 def collapse_views(model: onnx.ModelProto, shapes: dict | None = None) -> None:

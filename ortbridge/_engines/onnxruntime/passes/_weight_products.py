@@ -47,8 +47,8 @@ def weight_products(model: onnx.ModelProto) -> None:
             return nodes
 
         replace_nodes(model.graph, flatten)
-        if added:  # the new tensors' shapes
-            found = extended(found, model, added)
+        if added:  # the new tensors' shapes (the whole graph's where that fails)
+            found = extended(found, model, added) or facts(model)
             if found is None:
                 return
     replace_nodes(model.graph, lambda node: _rewrite(node, found))
