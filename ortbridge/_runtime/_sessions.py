@@ -156,8 +156,11 @@ def _quantized(model: onnx.ModelProto) -> bool:
             op = node.op_type.lower()  # (De)QuantizeLinear, QLinear*, *Integer, MatMulNBits
             if "quant" in op or "integer" in op or op.startswith("qlinear") or "nbits" in op:
                 return True
-            for a in node.attribute:
-                if quantized(a.g.node) or any(quantized(g.node) for g in a.graphs):
+            for a in node.attribute:  # bodies only: a.g of another attribute is made empty
+                if a.type == onnx.AttributeProto.GRAPH and quantized(a.g.node):
+                    return True
+                graphs = a.graphs if a.type == onnx.AttributeProto.GRAPHS else ()
+                if any(quantized(g.node) for g in graphs):
                     return True
         return False
 

@@ -120,10 +120,12 @@ def merge_reshapes(graph: onnx.GraphProto) -> None:
     for node in graph.node:
         if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx"):
             continue
+        inner = producer.get(node.input[0])  # a view's first: the shape is read then
+        if inner is None or inner.op_type not in _VIEWS or inner.domain not in ("", "ai.onnx"):
+            continue
         target = constants.get(node.input[1]) if len(node.input) > 1 else None
         if target is None or not np.all(np.ravel(target) != 0):
             continue
-        inner = producer.get(node.input[0])
         while inner is not None and inner.op_type in _VIEWS and inner.domain in ("", "ai.onnx"):
             node.input[0] = inner.input[0]
             inner = producer.get(inner.input[0])
