@@ -336,34 +336,39 @@ def _links(graph: onnx.GraphProto) -> tuple[dict, dict]:
 
 
 def extended(found: Facts, model: onnx.ModelProto, added: list) -> Facts | None:
-    """``found`` for ``model`` after a rewrite that only added the nodes ``added``
-    (and left nodes unread): their tensors' shapes and types from onnx's
-    inference of those nodes alone, the other tensors they read declared as
-    ``found`` has them; producers and readers as the graph now is. A whole
-    inference costs about ten times that on a backward graph; None where
-    the partial one fails."""
+    """``found`` for ``model`` after rewrites that kept every tensor's name and
+    shape and added the nodes ``added``: their tensors' shapes and types from
+    onnx's inference of those nodes alone, the other tensors they read
+    declared as ``found`` has them; producers and readers as the graph now
+    is; no entry for a tensor no node writes any more (a later rewrite may
+    take its name for another). A whole inference costs about ten times that
+    on a backward graph; None where the partial one fails."""
+    graph = model.graph
+    producer, readers = _links(graph)
     written = {o for n in added for o in n.output}
-    if not written:
-        producer, readers = _links(model.graph)
-        return dataclasses.replace(found, producer=producer, readers=readers)
-    inputs, seen = [], set()
-    for node in added:
-        for name in node.input:
-            if name and name not in written and name not in seen:
-                seen.add(name)
-                elem = found.types.get(name, onnx.TensorProto.UNDEFINED)
-                inputs.append(helper.make_tensor_value_info(name, elem, found.shapes.get(name)))
-    part = helper.make_graph(list(added), "added", inputs, [])
-    partial = helper.make_model(part, opset_imports=list(model.opset_import))
-    partial.ir_version = model.ir_version
-    inferred = _inferred(partial)
-    if inferred is None:
-        return None
-    shapes, types = _shapes_and_types(inferred)
-    producer, readers = _links(model.graph)
+    shapes, types = {}, {}
+    if written:
+        inputs, seen = [], set()
+        for node in added:
+            for name in node.input:
+                if name and name not in written and name not in seen:
+                    seen.add(name)
+                    elem = found.types.get(name, onnx.TensorProto.UNDEFINED)
+                    shape = found.shapes.get(name)
+                    inputs.append(helper.make_tensor_value_info(name, elem, shape))
+        part = helper.make_graph(list(added), "added", inputs, [])
+        partial = helper.make_model(part, opset_imports=list(model.opset_import))
+        partial.ir_version = model.ir_version
+        inferred = _inferred(partial)
+        if inferred is None:
+            return None
+        shapes, types = _shapes_and_types(inferred)
+    present = producer.keys() | {i.name for i in graph.input} | found.inits.keys()
     return Facts(
-        {**found.shapes, **{k: v for k, v in shapes.items() if k in written}},
-        {**found.types, **{k: v for k, v in types.items() if k in written}},
+        {k: v for k, v in found.shapes.items() if k in present}
+        | {k: v for k, v in shapes.items() if k in written},
+        {k: v for k, v in found.types.items() if k in present}
+        | {k: v for k, v in types.items() if k in written},
         producer,
         readers,
         found.inits,

@@ -108,11 +108,21 @@ def _views_collapsed(g: Graphs) -> None:
         g.forward_shapes = shapes
 
 
+def _scan_products(g: Graphs) -> None:
+    if any(n.op_type == "Scan" for n in g.backward.graph.node):
+        # Its fresh names may be ones the view collapse freed: the next pass
+        # then infers the whole graph rather than read the collapse's facts.
+        g.backward_facts = None
+    fused_scan_products(g.backward)
+    fused_scan_products(g.forward)
+
+
 def _current_facts(g: Graphs):
     """The backward's facts: those the view collapse read, extended by the nodes
     written since under new names (every other tensor keeps its name and
-    shape: the passes' contract), producers, readers and names taken read
-    from the graph as it is; inferred anew where there are none."""
+    shape: the passes' contract; the collapse frees names only once it has
+    taken its own), producers, readers and names taken read from the graph
+    as it is; inferred anew where there are none."""
     found, g.backward_facts = g.backward_facts, None
     if found is None:
         return facts(g.backward)
@@ -166,8 +176,7 @@ PASSES: tuple[Pass, ...] = (
     # after the passes above that read onnx-ad's Transposes.
     Pass("unit axes out of transposes, views collapsed", BACKWARD, True, _views_collapsed),
     # Products in loop bodies, once their views have collapsed.
-    Pass("Scan products with outside weights", BACKWARD, True,
-         lambda g: (fused_scan_products(g.backward), fused_scan_products(g.forward))),
+    Pass("Scan products with outside weights", BACKWARD, True, _scan_products),
     Pass("reductions, scalar operands and short broadcasts at known shapes", BACKWARD, True,
          _known_shape_forms),
     Pass("unread initializers dropped", BACKWARD, True,
