@@ -94,9 +94,10 @@ def _conv_gradients(g: Graphs) -> None:
 
 def _views_collapsed(g: Graphs) -> None:
     # One shape inference for each graph: the transposes record the shapes
-    # they add; the forward's are kept for the thread choice (the one later
-    # pass on the forward, Scan products, adds tensors without shapes, and the
-    # choice then keeps torch's count).
+    # they add; the backward's facts go on to the known-shape forms; the
+    # forward's shapes are kept for the thread choice (the one later pass on
+    # the forward, Scan products, adds tensors without shapes, and the choice
+    # then keeps torch's count).
     found = facts(g.backward)
     if found is not None:
         squeezed_transposes(g.backward, found.shapes)
