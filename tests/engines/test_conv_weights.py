@@ -355,10 +355,15 @@ DEPTHWISE = {
 }
 
 
-def _backward_graphs(module):
+def _built(module):
+    """The forward and backward graphs the onnxruntime engine built and ran."""
     for graph in module._bridge._gradient_graphs.values():
-        for built in graph._in_use():
-            yield built.split.backward.graph
+        yield from graph._in_use()
+
+
+def _backward_graphs(module):
+    for built in _built(module):
+        yield built.split.backward.graph
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
-from test_conv_weights import ENGINES, _check_layer
+from test_conv_weights import ENGINES, _built, _check_layer
 from torch import nn
 
 import ortbridge
@@ -36,11 +36,6 @@ DENSE = {
     ),
     "same-even-kernel": (lambda: nn.Conv2d(4, 4, 4, padding="same", groups=4), [(4, 4, 6, 5)]),
 }
-
-
-def _built(module):
-    for graph in module._bridge._gradient_graphs.values():
-        yield from graph._in_use()
 
 
 def _depthwise_convs(graph):

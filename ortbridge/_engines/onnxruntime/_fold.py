@@ -188,11 +188,12 @@ def in_onnx_ad():
 
     # The module: the package's ``onnx_ad.reverse`` is the function it defines.
     reverse_module = importlib.import_module("onnx_ad.reverse")
+    inline = _inline_constant_ifs(reverse_module.inline_constant_ifs)  # expand's too
     saved = [
         (_build, "_control_flow_hints", _control_flow_hints(_build._control_flow_hints)),
         (expand, "fold_constants", fold_constants),
-        (expand, "inline_constant_ifs", _inline_constant_ifs(expand.inline_constant_ifs)),
-        (reverse_module, "inline_constant_ifs", _inline_constant_ifs(expand.inline_constant_ifs)),
+        (expand, "inline_constant_ifs", inline),
+        (reverse_module, "inline_constant_ifs", inline),
         (reverse_module, "expand_functions", _expand_functions(reverse_module.expand_functions)),
     ]
     originals = [(module, name, getattr(module, name)) for module, name, _ in saved]
@@ -211,12 +212,7 @@ def _control_flow_hints(original):
     None (no hint), as it returns then, where the model has none."""
 
     def hints(model, inferred):
-        from onnx_ad._graph import walk
-
-        flow = ("If", "Loop", "Scan")
-        if not any(node.op_type in flow for scope in walk(model.graph) for node in scope.node):
-            return None
-        return original(model, inferred)
+        return original(model, inferred) if _holds(model, ("If", "Loop", "Scan")) else None
 
     return hints
 
@@ -227,11 +223,7 @@ def _inline_constant_ifs(original):
     returns it (two whole shape inferences a reverse pass, on most graphs)."""
 
     def inline(model):
-        from onnx_ad._graph import walk
-
-        if not any(node.op_type == "If" for scope in walk(model.graph) for node in scope.node):
-            return model
-        return original(model)
+        return original(model) if _holds(model, ("If",)) else model
 
     return inline
 
@@ -246,13 +238,20 @@ def _expand_functions(original):
     def expand_functions(model):
         from onnx_ad.fold import localize_constants
 
-        if _expandable(model) or any(n.op_type == "If" for n in model.graph.node):
+        if _expandable(model):  # a node with a body (an If) counts
             return original(model)
         from onnx_ad import expand
 
         return localize_constants(expand.fold_constants(model))
 
     return expand_functions
+
+
+def _holds(model: onnx.ModelProto, ops) -> bool:
+    """Whether a node of ``model``, in any scope, is one of ``ops``."""
+    from onnx_ad._graph import walk
+
+    return any(node.op_type in ops for scope in walk(model.graph) for node in scope.node)
 
 
 def _expandable(model: onnx.ModelProto) -> bool:

@@ -41,6 +41,7 @@ from ortbridge._prepare._onnx_utils import attr
 
 from .._ad_rewrites_conv import explicit_pads
 from ._optimize import _const, facts, replace_nodes
+from ._simplify import _static
 
 #: Largest one-hot matrix ``S`` (taps x input positions x output positions).
 MAX_ONE_HOT = 1 << 22
@@ -164,7 +165,3 @@ def _tap_matrices(names, image, out, kernel, strides, dilations, begin, dtype) -
     if one_hot != names["s"]:  # onnxruntime's OneHot gives float32
         nodes.append(helper.make_node("Cast", [one_hot], [names["s"]], to=onnx.TensorProto.DOUBLE))
     return nodes
-
-
-def _static(shape) -> bool:
-    return shape is not None and all(isinstance(d, int) and d > 0 for d in shape)

@@ -32,7 +32,7 @@ from ._dense_depthwise import dense_depthwise
 from ._fused_activations import fused_activations
 from ._norm_stats import forward_norm_statistics
 from ._opset18 import raise_to_opset18
-from ._optimize import _shapes, extended, facts, optimize_reverse
+from ._optimize import Facts, _shapes, extended, facts, optimize_reverse
 from ._pool_grad import maxpool_gradients
 from ._reductions import fast_reductions
 from ._scalar_operands import full_rank_scalars
@@ -66,7 +66,7 @@ class Graphs:
     reverse_shapes: tuple | None = None
     #: The backward's facts as the view collapse read them (the pass after it
     #: extends them by the nodes added since).
-    backward_facts: object = None
+    backward_facts: Facts | None = None
 
 
 @dataclasses.dataclass(frozen=True)
