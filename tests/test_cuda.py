@@ -186,10 +186,11 @@ def test_dlpack_hands_memory_over_without_copies(device):
     assert back.data_ptr() == x.data_ptr() and back.device == x.device
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_two_layers_on_one_device_train_as_torch(device):
+def test_two_layers_on_one_device_train_as_torch(device, compiled):
     """Two ONNX layers with a torch layer between them, five SGD steps: the
-    weights follow torch's model's."""
+    weights follow torch's model's, eager and under torch.compile(fullgraph=True)."""
     torch.manual_seed(0)
     first, second = nn.Linear(6, 16), nn.Linear(16, 3)
     ref = nn.Sequential(first, nn.Tanh(), second)
@@ -200,11 +201,14 @@ def test_two_layers_on_one_device_train_as_torch(device):
         OnnxModule(export(second, (torch.tanh(first(x)),))),
     )
     ref, ours, x = ref.to(device), ours.to(device), x.to(device)
+    if compiled:
+        torch._dynamo.reset()
     for net in (ref, ours):
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        run = torch.compile(net, fullgraph=True) if compiled and net is ours else net
         for _ in range(5):
             opt.zero_grad()
-            (net(x) ** 2).mean().backward()
+            (run(x) ** 2).mean().backward()
             opt.step()
     for (_, p), q in zip(ref.named_parameters(), ours.parameters()):
         assert q.device.type == device

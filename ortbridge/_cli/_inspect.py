@@ -50,7 +50,8 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
     from ..module import OnnxModule
 
     model = _prepare.load_model(path)
-    prepared = _prepare.normalize(_prepare.load_model(model))
+    wrong_shapes = []
+    prepared = _prepare.normalize(_prepare.load_model(model), wrong_shapes=wrong_shapes)
     summary = _prepare.summarize(prepared, model)
     info = {
         "model": str(path),
@@ -61,6 +62,16 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
         "nodes": len(model.graph.node),
         "op_types": dict(_op_types(model).most_common()),
         "rewrites": _rewrites(model, prepared),
+        # Declarations the graph contradicts, replaced by what it computes.
+        "wrong_shapes": [
+            {
+                "name": w.name,
+                "where": w.where,
+                "declared": list(w.declared),
+                "computed": list(w.computed),
+            }
+            for w in wrong_shapes
+        ],
         "inputs": [_spec(s) for s in summary.inputs],
         "outputs": [_spec(s) for s in summary.outputs],
     }
@@ -187,6 +198,14 @@ def _print_text(info: dict, out) -> None:
     print("outputs:", file=out)
     for spec in info["outputs"]:
         print(f"  {spec['name']}: {spec['dtype']} {_shape(spec['shape'])}", file=out)
+    if info["wrong_shapes"]:
+        print("declared shapes the graph contradicts (trained as it computes them):", file=out)
+        for wrong in info["wrong_shapes"]:
+            print(
+                f"  {wrong['where']} {wrong['name']!r}: declared {_shape(wrong['declared'])}, "
+                f"computed {_shape(wrong['computed'])}",
+                file=out,
+            )
     lines = _rewrite_lines(info["rewrites"])
     print("rewrites before onnxruntime sees the graph:" + ("" if lines else " none"), file=out)
     for line in lines:

@@ -11,9 +11,10 @@ it has its own, says which outputs its backward reads) and ``grad_slots``.
   1.19.2's gradient builder and TrainingAgent.
 - ``"onnxruntime"`` (:mod:`.onnxruntime._engine`): onnx-ad's reverse mode, split in
   two graphs, run by any onnxruntime.
-- ``"auto"``: the training agent where the training build is installed and
-  its builder differentiates the graph correctly; the onnxruntime engine
-  otherwise.
+- ``"auto"``: the onnxruntime engine; the training agent only for a graph
+  the onnxruntime engine refuses, where the training build is installed and
+  its builder differentiates the graph correctly. No graph is run twice to
+  choose (a trial run would move running statistics and random draws).
 """
 
 from __future__ import annotations
@@ -57,8 +58,12 @@ def installed() -> list[str]:
     return found + ([ONNXRUNTIME] if onnxruntime_engine_available() else [])
 
 
-def resolve(backend: str, model: onnx.ModelProto) -> tuple[str, str]:
-    """The engine for ``backend`` and ``model``, and why it was chosen."""
+def resolve(backend: str, model: onnx.ModelProto, prefer: str = ONNXRUNTIME) -> tuple[str, str]:
+    """The engine for ``backend`` and ``model``, and why it was chosen.
+
+    ``prefer``: the engine ``"auto"`` takes where both are installed and may
+    differentiate the model (the other is then the fallback for what it refuses).
+    """
     if backend not in BACKENDS:
         raise OnnxInputError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend == TRAINING_AGENT:
@@ -73,10 +78,23 @@ def resolve(backend: str, model: onnx.ModelProto) -> tuple[str, str]:
     if not _ort.has_training():
         _ort.runtime()
         return ONNXRUNTIME, "onnxruntime's training build is not installed"
+    if not onnxruntime_engine_available():
+        return TRAINING_AGENT, "onnx-ad is not installed: the training build's engine"
+    if prefer == ONNXRUNTIME:
+        return ONNXRUNTIME, "the default engine (the training agent is its fallback here)"
     avoid = builder_avoids(model)
-    if avoid and onnxruntime_engine_available():
+    if avoid:
         return ONNXRUNTIME, f"the training build cannot differentiate it: {avoid}"
     return TRAINING_AGENT, "onnxruntime's training build is installed"
+
+
+def fallback(engine: str, model: onnx.ModelProto) -> str | None:
+    """The engine ``"auto"`` moves to after ``engine`` refuses ``model`` (None: none)."""
+    if engine == ONNXRUNTIME:
+        if _ort.has_training() and builder_avoids(model) is None:
+            return TRAINING_AGENT
+        return None
+    return ONNXRUNTIME if onnxruntime_engine_available() else None
 
 
 def graph_class(engine: str):

@@ -7,6 +7,9 @@ loses track even with the call's input shapes. The call's inputs settle it:
 the graph runs once in onnxruntime inference with those tensors as extra
 outputs, and their ranks are declared in the graph before it is prepared.
 The graph so built is reused for every call whose inputs have the same ranks.
+
+Likewise :func:`outputs_empty` tells, from a call's input shapes alone,
+whether every output is empty (a batch of zero rows).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from onnx import helper
 
 from ..exceptions import OnnxModelError
 from ._lookup import _infer
+from ._onnx_utils import set_input_shapes
 
 
 class CallShapesNeeded(OnnxModelError):
@@ -76,3 +80,27 @@ def declare_ranks(model: onnx.ModelProto, ranks: dict[str, tuple[int, int]]) -> 
         del dims[:]
         for _ in range(rank):
             dims.add()
+
+
+def outputs_empty(model: onnx.ModelProto, shapes: dict[str, tuple]) -> bool:
+    """True where shape inference sizes every output of ``model`` with a 0 for these inputs.
+
+    A call with an empty input and only empty outputs asks no engine for a
+    gradient graph of zero-size shapes (onnxruntime's shape inference refuses
+    some of them): it runs as plain inference. Where inference cannot size
+    the outputs, False: the engine's path, which reports what fails.
+    """
+    sized = onnx.ModelProto()
+    sized.CopyFrom(model)
+    set_input_shapes(sized, shapes)
+    for value in sized.graph.output:  # what the file declares is not what inference must keep
+        value.type.tensor_type.ClearField("shape")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(sized)
+    except Exception:  # noqa: BLE001 - unknown: the engine's path, which reports what fails
+        return False
+    outputs = inferred.graph.output
+    return bool(outputs) and all(
+        any(d.HasField("dim_value") and d.dim_value == 0 for d in o.type.tensor_type.shape.dim)
+        for o in outputs
+    )

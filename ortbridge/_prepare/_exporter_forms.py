@@ -17,7 +17,9 @@ model (the last, a declared rank, where it infers the model's shapes):
   torch 2.11's exporter declares a two-layer bidirectional LSTM's ``h_n``
   (4, 2, 4) as (4, 1, 2, 4). onnxruntime runs such a graph (it warns and
   trusts what it computes), but a gradient graph built on the declared
-  shape does not load.
+  shape does not load. Every declaration (sizes, intermediate tensors,
+  bodies) is checked first by :mod:`._declared_shapes`; this is what keeps
+  the outputs' shapes out of the inference normalisation reads.
 """
 
 from __future__ import annotations
@@ -105,11 +107,11 @@ def outputs_as_computed(graph: onnx.GraphProto, declared: dict, shapes: dict) ->
     graph computes another rank (``shapes``, inferred without them): such an
     output is declared as inferred. ``shapes`` gets the result.
 
-    Only the rank decides: where the ranks agree and a size differs, the
-    exporter's declaration is kept, since onnx's inference can be the one that
-    is wrong (STFT's output: it infers 16 frequency bins where the node
-    computes 9). An inferred rank 0 is taken for unknown (onnx's inference
-    says it for an STFT it cannot size).
+    Only the rank decides here: sizes were settled before, with a run where
+    onnx's inference and the declaration disagree
+    (:func:`._declared_shapes.declarations_as_computed`; onnx's inference can
+    be the one that is wrong). An inferred rank 0 is taken for unknown (onnx's
+    inference says it for an STFT it cannot size).
     """
     for value in graph.output:
         if value.name not in declared:

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..exceptions import OnnxModelError
 from . import _activations
 from ._checks import check_runnable
+from ._declared_shapes import declarations_as_computed
 from ._exporter_forms import detach_output_shapes, older_forms_rewritten, outputs_as_computed
 from ._lookup import _all_names, _infer, _unique
 from ._onnx_utils import FLOAT_TYPES, np_dtype
@@ -21,7 +22,7 @@ from ._sequences import sequences_as_tensors
 from ._weights import lift_constant_weights
 
 
-def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
+def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.ModelProto:
     """Rewrite nodes onnxruntime's gradient builder refuses into equivalent ones.
 
     The model is first checked (:func:`._checks.check_runnable`): what
@@ -56,14 +57,20 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
       ``torch.split``: ``SplitToSequence`` + ``SequenceAt``) become tensors
       (:func:`._sequences.sequences_as_tensors`): the builder follows
       no weight into a sequence.
-    - A graph output declared with a rank the graph does not compute is
-      declared as computed (:func:`._exporter_forms.outputs_as_computed`).
+    - Declared shapes the graph contradicts (graph outputs', intermediate
+      tensors', bodies' inputs and outputs) are declared as computed
+      (:mod:`._declared_shapes`): no declaration constrains a gradient graph.
+      ``wrong_shapes``, a list, gets what was replaced
+      (:class:`._declared_shapes.WrongShape`).
     """
     check_runnable(model)
     lift_constant_weights(model)
     older_forms_rewritten(model)
     model = _at_least_opset(model, MIN_OPSET)
     model = sequences_as_tensors(model, loops=False)
+    replaced = declarations_as_computed(model)
+    if wrong_shapes is not None:
+        wrong_shapes.extend(replaced)
     graph = model.graph
     declared = detach_output_shapes(graph)
     types, shapes = _infer(model)

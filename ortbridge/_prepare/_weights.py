@@ -10,12 +10,15 @@ default trains weights only:
 
 - what a layer reads as its weights and biases (Conv, ConvTranspose, Gemm,
   MatMul, Einsum, the normalisations, the recurrent nodes, PRelu's slope, an
-  embedding table read by Gather), whatever its size;
+  embedding table read by Gather), whatever its size, also through the
+  layout ops between them (an LSTM's gates reordered by Slice and Concat, a
+  Linear weight transposed, a fused weight split);
 - an ``Add`` operand whose other operand is a product (the bias after a
   MatMul or a Conv, even of one element: a one-output regressor's);
 - any other float initializer of more than one element that a node reads
-  where a gradient flows, except an exponent and a tensor holding
-  infinities (a causal mask). torch's exporters write parameters as
+  where a gradient flows, except an exponent of round values (a square, a
+  square root, a polynomial's powers: a learnt exponent trains) and a tensor
+  holding infinities (a causal mask). torch's exporters write parameters as
   initializers; a ``Constant`` node is a weight only by one of the roles
   above (an attention mask's zeros stay a constant).
 
@@ -36,9 +39,9 @@ import collections
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
-from ._onnx_utils import FLOAT_TYPES, all_graphs, subgraphs
+from ._onnx_utils import FLOAT_TYPES, all_graphs, node_reads, subgraphs
 
 # Inputs (by position) through which no gradient flows, per op type.
 NON_DIFFERENTIABLE_SLOTS = {
@@ -140,6 +143,11 @@ _PRODUCTS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"})
 _FACTORS = _PRODUCTS | {"Mul"}
 #: Ops that pass a tensor on unchanged in value: roles are read through them.
 _PASS_THROUGH = frozenset({"Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast"})
+#: Ops that move a tensor's values (input position 0, every position of a
+#: Concat): a layer's weight slots (:data:`_THROUGH_LAYOUT`) are read through
+#: them, no other role (a mask sliced to the length and added is no bias).
+_LAYOUT = frozenset({"Slice", "Concat", "Gather", "Transpose", "Split"})
+_THROUGH_LAYOUT = frozenset({"LSTM", "GRU", "RNN", "Conv", "ConvTranspose", "Gemm", "MatMul"})
 
 
 def constant_value(node: onnx.NodeProto) -> np.ndarray | None:
@@ -156,9 +164,17 @@ def constant_value(node: onnx.NodeProto) -> np.ndarray | None:
     return None
 
 
+def round_values(value: np.ndarray) -> bool:
+    """Whether every value is a simple fraction (halves, thirds, quarters ...
+    twelfths: 2, 0.5, 1/3, 1.5): an exponent of the function, not a learnt one."""
+    twelfths = np.asarray(value, np.float64) * 12
+    return bool(np.isfinite(twelfths).all() and np.allclose(twelfths, np.round(twelfths), 0, 1e-4))
+
+
 def roles(model: onnx.ModelProto) -> dict[str, str]:
     """The role of each float initializer and float ``Constant`` output, in every graph."""
     sizes: dict[str, int] = {}
+    tensors: dict[str, onnx.TensorProto | np.ndarray] = {}  # values, read for exponents only
     masks: set[str] = set()  # tensors holding infinities
     held: set[str] = set()  # outputs of Constant nodes
     unit: set[str] = set()  # Constant outputs of all ones or all zeros
@@ -168,12 +184,14 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
         for init in graph.initializer:
             if init.data_type in FLOAT_TYPES:
                 sizes[init.name] = int(np.prod(init.dims, dtype=np.int64))
+                tensors[init.name] = init
                 if not np.isfinite(numpy_helper.to_array(init)).all():
                     masks.add(init.name)
         for node in graph.node:
             value = constant_value(node)
             if value is not None:
                 sizes[node.output[0]] = value.size
+                tensors[node.output[0]] = value
                 held.add(node.output[0])
                 if value.size and ((value == 1).all() or (value == 0).all()):
                     unit.add(node.output[0])
@@ -194,24 +212,38 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
         return node is not None and node.op_type in _PRODUCTS
 
     def uses(name: str):
-        """(node, position) of every reader, through pass-through ops."""
-        todo, seen = [name], set()
+        """(node, position, tensor read, after a layout op) of every reader,
+        through pass-through ops; a layout op is a reader and is read through."""
+        todo, seen = [(name, False)], set()
         while todo:
-            current = todo.pop()
+            current, moved = todo.pop()
             for node, pos in readers.get(current, ()):
-                if node.op_type in _PASS_THROUGH and pos == 0:
-                    if node.output[0] not in seen:
-                        seen.add(node.output[0])
-                        todo.append(node.output[0])
-                    continue
-                yield node, pos, current
+                passes = node.op_type in _PASS_THROUGH and pos == 0
+                if passes or (node.op_type in _LAYOUT and (pos == 0 or node.op_type == "Concat")):
+                    for out in node.output:
+                        key = (out, moved or not passes)
+                        if out and key not in seen:
+                            seen.add(key)
+                            todo.append(key)
+                    if passes:
+                        continue
+                yield node, pos, current, moved
 
     out = {}
     for name, size in sizes.items():
         role = None
         exponent = read = False
-        for node, pos, seen_as in uses(name):
+        for node, pos, seen_as, moved in uses(name):
             slots = _LAYER_SLOTS.get(node.op_type, ())
+            if moved:
+                # Past a layout op only a layer's weight slot gives a role:
+                # Silero's LSTM weights, their gates reordered in an If branch
+                shaped_factor = node.op_type in _FACTORS and all(
+                    other in shaped for j, other in enumerate(node.input) if j != pos and other
+                )
+                if node.op_type in _THROUGH_LAYOUT and pos in slots and not shaped_factor:
+                    role = WEIGHT
+                continue
             if node.op_type in NON_DIFFERENTIABLE_OPS:
                 # read for a comparison, a shape: no role; rounded, it is read
                 # as torch reads a parameter it rounds (a zero gradient)
@@ -231,7 +263,13 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
                 role = WEIGHT
             elif pos in _STATISTIC_SLOTS.get(node.op_type, ()):
                 role = role or STATISTIC
-            elif pos in _CONSTANT_SLOTS.get(node.op_type, ()):
+            elif pos in _CONSTANT_SLOTS.get(node.op_type, ()) and round_values(
+                numpy_helper.to_array(tensors[name])
+                if isinstance(tensors[name], onnx.TensorProto)
+                else tensors[name]
+            ):
+                # x**2, sqrt: a constant of the function; distinct values such
+                # as 0.3 .. 2.3 are a learnt exponent (torch.pow(x, param))
                 exponent = True
             elif pos in NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ()):
                 continue  # Resize scales, Clip bounds: settings, not weights
@@ -249,6 +287,41 @@ def roles(model: onnx.ModelProto) -> dict[str, str]:
             role = WEIGHT if plain else CONSTANT
         out[name] = role
     return out
+
+
+def gradient_cut(model: onnx.ModelProto, name: str) -> tuple[onnx.NodeProto, str] | None:
+    """The node nearest to tensor ``name`` that passes no gradient on from it
+    toward the outputs, and why; None where no node reads it or its paths end
+    in no output. Walks the main graph as :func:`._load.summarize` finds what a
+    gradient reaches (a body's reads of outer tensors are its node's inputs)."""
+    from ._lookup import _elem_types  # a whole shape inference: only for an error
+
+    types = _elem_types(model)
+    readers: dict[str, list[tuple[onnx.NodeProto, int | None]]] = collections.defaultdict(list)
+    for node in model.graph.node:
+        for pos, read in enumerate(node.input):
+            if read:
+                readers[read].append((node, pos))
+        for read in set(node_reads(node)) - set(node.input):
+            readers[read].append((node, None))
+    todo, seen = collections.deque([name]), {name}
+    while todo:
+        for node, pos in readers.get(todo.popleft(), ()):
+            # (Round and the like pass a zero gradient on, as summarize counts)
+            if node.op_type in NON_DIFFERENTIABLE_OPS - ZERO_DERIVATIVE_OPS:
+                return node, "it reads values by comparison, index or shape only"
+            if pos in NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ()):
+                return node, f"its input {pos} is a setting, not differentiated"
+            floats = [
+                o for o in node.output if o and types.get(o, TensorProto.FLOAT) in FLOAT_TYPES
+            ]
+            if not floats and any(node.output):
+                return node, "its outputs are integer tensors"
+            for out in floats:
+                if out not in seen:
+                    seen.add(out)
+                    todo.append(out)
+    return None
 
 
 #: Operand positions holding a product's weight (not its bias), per op type.

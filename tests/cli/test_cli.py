@@ -70,6 +70,42 @@ def test_inspect_says_which_engine_trains_and_why(tmp_path, capsys, backend):
     assert "training: a gradient graph can be built" in text
 
 
+def test_inspect_names_declared_shapes_the_graph_contradicts(tmp_path, capsys):
+    """A graph output declared (batch, 2) where the graph computes (batch, 3, 2),
+    and an intermediate declared (4) where it computes (batch, 3, 2): each named,
+    with both shapes, in text and JSON; the model trains as it computes."""
+    weight = np.random.default_rng(0).standard_normal((3, 2)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "weight"], ["h"]),
+            helper.make_node("Tanh", ["h"], ["y"]),
+        ],
+        "rows",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        [onnx.numpy_helper.from_array(weight, "weight")],
+        value_info=[helper.make_tensor_value_info("h", TensorProto.FLOAT, [4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path = tmp_path / "declared.onnx"
+    onnx.save(model, str(path))
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "declared shapes the graph contradicts" in text
+    assert "graph output 'y': declared (batch, 2), computed (batch, 3, 2)" in text
+    assert "value_info 'h': declared (4), computed (batch, 3, 2)" in text
+    assert "outputs:\n  y: float32 (batch, 3, 2)" in text
+    assert "a gradient graph can be built" in text
+    assert main(["inspect", str(path), "--json"]) == 0
+    wrong = {w["name"]: w for w in json.loads(capsys.readouterr().out)["wrong_shapes"]}
+    assert wrong["y"] == {
+        "name": "y",
+        "where": "graph output",
+        "declared": ["batch", 2],
+        "computed": ["batch", 3, 2],
+    }
+
+
 def test_inspect_missing_file(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "none.onnx")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import scaled_atol
 from onnx import TensorProto, helper, numpy_helper
 from test_scan_sums import _run
 
@@ -73,7 +74,7 @@ def _rewritten(build, rewrite, rtol, atol=1e-6):
     got, want = _run(rewritten, model)
     assert len(got) == len(want)
     for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=scaled_atol(atol, w))
     scan = next(n for n in rewritten.graph.node if n.op_type == "Scan")
     return rewritten, scan, next(a.g for a in scan.attribute if a.name == "body")
 

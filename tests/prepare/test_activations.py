@@ -6,7 +6,7 @@ import collections
 
 import pytest
 import torch
-from conftest import compare_with_torch, export
+from conftest import compare_with_torch, export, scaled_atol
 from torch import nn
 
 from ortbridge import OnnxModule
@@ -71,7 +71,9 @@ def test_gradient_at_joins_and_extremes_equals_torch(op, dtype):
     assert torch.isfinite(ours.grad).all()
     if op == "PRelu":
         (weight,) = [p for _, p in layer.named_onnx_parameters()]
-        torch.testing.assert_close(weight.grad, activation.weight.grad, **tol)
+        # a sum over the batch: atol scaled with the largest (sums that cancel)
+        atol = scaled_atol(tol["atol"], activation.weight.grad)
+        torch.testing.assert_close(weight.grad, activation.weight.grad, rtol=tol["rtol"], atol=atol)
 
 
 def test_eval_mode_and_no_grad_run_the_same_graph():

@@ -316,35 +316,3 @@ def test_an_output_declared_with_a_wrong_rank_trains_as_torch():
         dims.add().dim_value = size
     assert [d.dim_value for d in h_n.type.tensor_type.shape.dim] == [4, 1, 2, 4]
     compare_with_torch(ref, OnnxModule(proto), [x.requires_grad_()])
-
-
-def test_declared_output_shapes_kept_where_the_graph_agrees():
-    """A declared name of an axis (``batch``) stays, and so does a declared size
-    onnx's inference disagrees with (5 where it infers 2: its inference is
-    wrong for some nodes, STFT's among them); a rank the graph does not compute
-    (a declared (2, 1, 3) where it computes (2, 3)) is replaced."""
-    from ortbridge._prepare._exporter_forms import detach_output_shapes, outputs_as_computed
-    from ortbridge._prepare._lookup import _infer
-
-    graph = helper.make_graph(
-        [helper.make_node("Relu", ["x"], [name]) for name in ("a", "b", "c")],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
-        [
-            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["batch", 3]),
-            helper.make_tensor_value_info("b", TensorProto.FLOAT, [5, 3]),
-            helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 1, 3]),
-        ],
-    )
-    graph.input[0].type.tensor_type.shape.dim[0].Clear()
-    graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    declared = detach_output_shapes(model.graph)
-    types, shapes = _infer(model)
-    outputs_as_computed(model.graph, declared, shapes)
-    dims = {
-        o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
-        for o in model.graph.output
-    }
-    assert dims == {"a": ["batch", 3], "b": [5, 3], "c": [2, 3]}
-    assert shapes["a"] == (2, 3) and shapes["b"] == (5, 3) and shapes["c"] == (2, 3)

@@ -11,7 +11,7 @@ sources write it, named as :class:`~ortbridge.OnnxModule`'s engines:
 - ``"onnxruntime"``: onnx-ad's standard-op reverse graph
   (:mod:`._reverse_gradient`), which any onnxruntime runs.
 
-``"auto"`` picks as ``OnnxModule`` does, with a preference measured per
+``"auto"`` picks as ``OnnxModule`` does, but with its own preference, measured per
 kind of graph where the training build is installed (``benchmarks/README.rst``,
 2-core CPU):
 
@@ -77,10 +77,9 @@ def resolve(backend: str, model: onnx.ModelProto, prefer: str = BUILDER) -> tupl
     ``prefer``: what ``"auto"`` takes where both sources may differentiate
     the model (the builder's graph then only where it is correct).
     """
-    source, reason = _engines.resolve(backend, model)
-    if backend == _engines.AUTO and prefer == ONNX_AD and source == BUILDER:
-        if _engines.onnxruntime_engine_available():
-            return ONNX_AD, "measured faster than the training build's builder for this graph"
+    source, reason = _engines.resolve(backend, model, prefer)
+    if backend == _engines.AUTO and prefer == ONNX_AD and source == ONNX_AD and _ort.has_training():
+        return ONNX_AD, "measured faster than the training build's builder for this graph"
     return source, reason
 
 

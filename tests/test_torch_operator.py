@@ -1,0 +1,184 @@
+"""A torch model holding ONNX layers compiles, exports and ships as one ONNX file.
+
+Traced (``torch.compile``, ``torch.export``, ``torch.jit``), each layer is the
+operator ``ortbridge::onnx_layer``: ``fullgraph=True`` compiles, a dynamic
+batch compiles once, and both ONNX exporters write the layers' graphs inline,
+with their current weights, into one file that plain onnxruntime runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from conftest import export
+from torch import nn
+
+from ortbridge import OnnxModule
+from ortbridge.exceptions import OrtBridgeError
+
+pytestmark = pytest.mark.usefixtures("backend")
+
+
+def _close(ours, theirs, rel=1e-5, scale=None):
+    # Relative to the magnitude compared: kernels round differently per processor.
+    scale = max(float(theirs.abs().max()), 1e-3) if scale is None else scale
+    torch.testing.assert_close(ours, theirs, rtol=rel, atol=rel * scale)
+
+
+def _two_layers():
+    """Linear -> ONNX MLP -> Tanh -> ONNX head, and the same model in torch."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    head = nn.Linear(4, 3)
+    first = nn.Linear(5, 8)
+    ours = nn.Sequential(
+        copy.deepcopy(first),
+        OnnxModule(export(mlp, (torch.randn(2, 8),))),
+        nn.Tanh(),
+        OnnxModule(export(head, (torch.randn(2, 4),))),
+    )
+    return ours, nn.Sequential(first, mlp, nn.Tanh(), head)
+
+
+def _step(model, x):
+    model.zero_grad()
+    out = model(x)
+    (out**2).sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _compare(model, reference, x):
+    out, grads = _step(model, x)
+    ref_out, ref_grads = _step(reference, x)
+    _close(out, ref_out)
+    assert len(grads) == len(ref_grads)
+    # One scale for all: a bias before a BatchNorm has a gradient of zero up to rounding.
+    scale = max(float(r.abs().max()) for r in ref_grads)
+    for g, r in zip(grads, ref_grads):
+        _close(g, r, scale=scale)
+
+
+def test_compile_fullgraph_matches_eager_with_a_dynamic_batch():
+    torch._dynamo.reset()
+    ours, reference = _two_layers()
+    compiled = torch.compile(ours, fullgraph=True, dynamic=True, backend="aot_eager")
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for batch in (6, 9, 17, 3):
+        _compare(compiled, reference, torch.randn(batch, 5))
+    assert counters["stats"]["unique_graphs"] == 1  # one compilation for every batch
+
+
+def test_compile_with_inductor_trains_as_eager():
+    torch._dynamo.reset()
+    ours, reference = _two_layers()
+    compiled = torch.compile(ours, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for _ in range(3):
+        x = torch.randn(8, 5, generator=gen)
+        for model, optimizer in ((compiled, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            (model(x) ** 2).mean().backward()
+            optimizer.step()
+    for p, q in zip(ours.parameters(), reference.parameters()):
+        _close(p.detach(), q.detach())
+
+
+def test_compiled_train_mode_batch_norm_updates_statistics_once():
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 2))
+    with torch.no_grad():
+        net[1].running_var.uniform_(0.5, 2)
+    layer = OnnxModule(export(net.eval(), (torch.randn(4, 6),))).train()
+    reference = copy.deepcopy(net).train()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for _ in range(2):
+        _compare(compiled, reference, torch.randn(7, 6))
+    for name in ("1.running_mean", "1.running_var"):
+        _close(layer.get_buffer(name), reference.get_buffer(name))
+
+
+def test_compiled_train_mode_dropout_is_refused_by_name():
+    torch._dynamo.reset()
+    net = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.3), nn.Linear(8, 2))
+    layer = OnnxModule(export(net.train(), (torch.randn(4, 6),))).train()
+    compiled = torch.compile(layer, backend="aot_eager")
+    with pytest.raises(OrtBridgeError, match="draws Dropout masks in train mode.*eval mode"):
+        compiled(torch.randn(3, 6))
+    layer.eval()  # eval mode compiles and runs
+    x = torch.randn(3, 6)
+    _close(compiled(x).detach(), net.eval()(x).detach())
+
+
+def test_torch_export_with_a_dynamic_batch_matches_eager():
+    ours, reference = _two_layers()
+    program = torch.export.export(
+        ours, (torch.randn(6, 5),), dynamic_shapes=({0: torch.export.Dim("batch")},)
+    )
+    calls = [n for n in program.graph.nodes if "onnx_layer" in str(n.target)]
+    assert len(calls) == 2
+    module = program.module()
+    for batch in (6, 11):
+        x = torch.randn(batch, 5)
+        _close(module(x).detach(), reference(x).detach())
+
+
+def _trained_and_exported(dynamo: bool):
+    ours, reference = _two_layers()
+    # One SGD step first: the file must hold the trained weights.
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    _step(ours, torch.randn(8, 5))
+    opt.step()
+    ours.eval()
+    x = torch.randn(6, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            program = torch.onnx.export(
+                ours, (x,), dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch")},)
+            )
+            proto = program.model_proto
+        else:
+            buffer = io.BytesIO()
+            torch.onnx.export(
+                ours, (x,), buffer, dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "n"}}
+            )
+            proto = onnx.load_from_string(buffer.getvalue())
+    return ours, proto
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_onnx_export_writes_one_file_plain_onnxruntime_runs(dynamo):
+    import onnxruntime as ort
+
+    ours, proto = _trained_and_exported(dynamo)
+    assert all(n.domain in ("", "ai.onnx") for n in proto.graph.node)
+    assert [n.op_type for n in proto.graph.node].count("Gemm") == 4  # 1 torch, 3 inlined
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    for batch in (6, 13):  # the batch stays dynamic
+        x = torch.randn(batch, 5)
+        (got,) = session.run(None, {name: x.numpy()})
+        with torch.no_grad():
+            want = ours(x)
+        _close(torch.from_numpy(np.asarray(got)), want)
+
+
+def test_traced_output_shapes_keep_symbolic_dims():
+    ours, _ = _two_layers()
+    program = torch.export.export(
+        ours, (torch.randn(6, 5),), dynamic_shapes=({0: torch.export.Dim("batch")},)
+    )
+    out = next(n for n in program.graph.nodes if n.op == "output").args[0][0]
+    placeholder = [n for n in program.graph.nodes if n.op == "placeholder"][-1]
+    # The batch of the output is the input's symbol, not a new unbacked size.
+    assert str(out.meta["val"].shape[0]) == str(placeholder.meta["val"].shape[0])
