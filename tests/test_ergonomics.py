@@ -162,8 +162,11 @@ def test_torch_compile_takes_the_layer_without_warnings():
                 out.sum().backward()
     finally:
         root.removeHandler(handler)
-    assert [str(w.message) for w in caught] == []
-    assert [r.getMessage() for r in records] == []
+    # torch's notice about the interpreter itself (CPython 3.13.0's slower
+    # guards) says nothing about the layer.
+    about_python = "Guards may run slower on Python 3.13.0"
+    assert [str(w.message) for w in caught if about_python not in str(w.message)] == []
+    assert [r.getMessage() for r in records if about_python not in r.getMessage()] == []
     out_eager = eager(x)
     out_eager.sum().backward()
     torch.testing.assert_close(out, out_eager)
