@@ -6,6 +6,7 @@ ORDER = [
     "plot_feature_extractor.py",
     "plot_finetune_published.py",
     "plot_lora_transformer.py",
+    "plot_compile_and_ship.py",
     "plot_frozen_backbone.py",
     "plot_recurrent_layer.py",
     "plot_sklearn_mlp.py",
