@@ -26,12 +26,13 @@ from __future__ import annotations
 import itertools
 import weakref
 
-import numpy as np
 import onnx
 import torch
-from onnx import TensorProto, helper
 
 from . import _onnx_export, _prepare
+from ._call_checks import torch_dtype
+from ._prepare import _call_ranks
+from ._prepare._load import tensor_spec
 from .exceptions import OnnxInputError, OrtBridgeError
 
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -194,45 +195,21 @@ def output_dims(model: onnx.ModelProto, dims: dict[str, tuple]) -> list[tuple[tu
 
     ``dims``: input name -> sizes, each an int or the name of a symbolic size.
     """
-    sized = onnx.ModelProto()
-    sized.CopyFrom(model)
-    for value in sized.graph.input:
-        if value.name in dims:
-            shape = value.type.tensor_type.shape
-            del shape.dim[:]
-            for d in dims[value.name]:
-                if isinstance(d, int):
-                    shape.dim.add().dim_value = d
-                else:
-                    shape.dim.add().dim_param = d
-    # Inference, not the file's declarations (which name the dimensions their own way).
-    del sized.graph.value_info[:]
-    for value in sized.graph.output:
-        value.type.tensor_type.ClearField("shape")
     try:
-        inferred = onnx.shape_inference.infer_shapes(sized, data_prop=True)
+        outputs = _call_ranks.inferred_outputs(model, dims)
     except Exception as exc:  # noqa: BLE001
         raise OnnxInputError(
             f"the output shapes of graph {model.graph.name!r} cannot be inferred for inputs "
             f"{dims}, which torch.compile and torch.export need: {exc}"
         ) from exc
     out = []
-    for value in inferred.graph.output:
-        tensor_type = value.type.tensor_type
-        if not tensor_type.HasField("shape"):
+    for spec in map(tensor_spec, outputs):
+        if spec.shape is None:
             raise OnnxInputError(
-                f"the rank of output {value.name!r} of graph {model.graph.name!r} cannot be "
+                f"the rank of output {spec.name!r} of graph {model.graph.name!r} cannot be "
                 "inferred, which torch.compile and torch.export need"
             )
-        shape = tuple(
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-            for d in tensor_type.shape.dim
-        )
-        out.append((shape, _torch_dtype(tensor_type.elem_type)))
+        # bfloat16 has no numpy dtype to go through.
+        bf16 = spec.elem_type == onnx.TensorProto.BFLOAT16
+        out.append((spec.shape, torch.bfloat16 if bf16 else torch_dtype(spec)))
     return out
-
-
-def _torch_dtype(elem: int) -> torch.dtype:
-    if elem == TensorProto.BFLOAT16:  # no numpy dtype
-        return torch.bfloat16
-    return torch.from_numpy(np.empty(0, helper.tensor_dtype_to_np_dtype(elem))).dtype

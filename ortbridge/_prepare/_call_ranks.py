@@ -82,6 +82,19 @@ def declare_ranks(model: onnx.ModelProto, ranks: dict[str, tuple[int, int]]) -> 
             dims.add()
 
 
+def inferred_outputs(model: onnx.ModelProto, shapes: dict[str, tuple]) -> list:
+    """The graph outputs (``ValueInfoProto``) as shape inference sizes them from these
+    input shapes alone (sizes, or names of symbolic ones): the file's declared output
+    and intermediate shapes are set aside. Raises what onnx's inference raises."""
+    sized = onnx.ModelProto()
+    sized.CopyFrom(model)
+    set_input_shapes(sized, shapes)
+    del sized.graph.value_info[:]
+    for value in sized.graph.output:
+        value.type.tensor_type.ClearField("shape")
+    return list(onnx.shape_inference.infer_shapes(sized, data_prop=True).graph.output)
+
+
 def outputs_empty(model: onnx.ModelProto, shapes: dict[str, tuple]) -> bool:
     """True where shape inference sizes every output of ``model`` with a 0 for these inputs.
 
@@ -90,16 +103,10 @@ def outputs_empty(model: onnx.ModelProto, shapes: dict[str, tuple]) -> bool:
     some of them): it runs as plain inference. Where inference cannot size
     the outputs, False: the engine's path, which reports what fails.
     """
-    sized = onnx.ModelProto()
-    sized.CopyFrom(model)
-    set_input_shapes(sized, shapes)
-    for value in sized.graph.output:  # what the file declares is not what inference must keep
-        value.type.tensor_type.ClearField("shape")
     try:
-        inferred = onnx.shape_inference.infer_shapes(sized)
+        outputs = inferred_outputs(model, shapes)
     except Exception:  # noqa: BLE001 - unknown: the engine's path, which reports what fails
         return False
-    outputs = inferred.graph.output
     return bool(outputs) and all(
         any(d.HasField("dim_value") and d.dim_value == 0 for d in o.type.tensor_type.shape.dim)
         for o in outputs

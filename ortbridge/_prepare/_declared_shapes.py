@@ -49,6 +49,7 @@ import warnings
 import numpy as np
 import onnx
 
+from ._load import tensor_spec
 from ._onnx_utils import attr, np_dtype
 
 #: Sizes given to the graph inputs' unknown axes for the run of step 2: the
@@ -196,10 +197,7 @@ def _has_shape(value: onnx.ValueInfoProto) -> bool:
 
 
 def _dims(value: onnx.ValueInfoProto) -> tuple:
-    return tuple(
-        d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-        for d in value.type.tensor_type.shape.dim
-    )
+    return tensor_spec(value).shape or ()
 
 
 def _declare(value: onnx.ValueInfoProto, dims: tuple) -> None:

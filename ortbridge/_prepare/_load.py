@@ -68,7 +68,8 @@ class TensorSpec:
         return np_dtype(self.elem_type)
 
 
-def _spec(value_info: onnx.ValueInfoProto) -> TensorSpec:
+def tensor_spec(value_info: onnx.ValueInfoProto) -> TensorSpec:
+    """Name, element type and shape (ints, names of symbolic sizes, None) of a value."""
     tensor_type = value_info.type.tensor_type
     shape = None
     if tensor_type.HasField("shape"):
@@ -109,8 +110,8 @@ def summarize(model: onnx.ModelProto, original: onnx.ModelProto | None = None) -
     graph = model.graph
     source = original if original is not None else model
     init_names = {init.name for init in graph.initializer}
-    inputs = [_spec(i) for i in graph.input if i.name not in init_names]
-    outputs = [_spec(o) for o in graph.output]
+    inputs = [tensor_spec(i) for i in graph.input if i.name not in init_names]
+    outputs = [tensor_spec(o) for o in graph.output]
     floats = {
         init.name: numpy_helper.to_array(init)
         for init in graph.initializer

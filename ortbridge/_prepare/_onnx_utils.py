@@ -34,13 +34,19 @@ def make_model(graph: onnx.GraphProto, opset: int = OPSET, extra_opsets=None) ->
 
 
 def set_input_shapes(model: onnx.ModelProto, shapes: dict) -> None:
-    """Declare the graph inputs named in ``shapes`` (name -> sizes) with those sizes, in place."""
+    """Declare the graph inputs named in ``shapes`` (name -> sizes) with those sizes, in place.
+
+    A size given as a string declares a symbolic dimension of that name.
+    """
     for value in model.graph.input:
         if value.name in shapes:
             dims = value.type.tensor_type.shape.dim
             del dims[:]
             for size in shapes[value.name]:
-                dims.add().dim_value = size
+                if isinstance(size, str):
+                    dims.add().dim_param = size
+                else:
+                    dims.add().dim_value = size
 
 
 def attr(node: onnx.NodeProto, name: str, default=None):
