@@ -8,16 +8,21 @@ of a training step: forward, backward of a cross-entropy loss, SGD step):
   ``torch.compile(fullgraph=True)``;
 - ``eager``: the ONNX layer through ortbridge's autograd Function (today's
   eager path);
-- ``op``: the layer through the traced path's torch operator, called eagerly
-  (``ortbridge::onnx_layer`` and its backward operator): the operator's cost
-  against the Function's;
 - ``compiled``: the model under ``torch.compile(fullgraph=True)``, the layer
   a node of the compiled graph.
 
-Hypothesis (issue 44): a compiled model with ONNX layers trains at about
-eager's speed (the operator's backward runs the layer's forward again: one
-forward more per step), and the operator adds little per call over the
-Function. Printed per batch size: ms per step and the ratios.
+And the layer alone, forward and backward for a given output gradient:
+
+- ``function``: through the autograd Function (eager);
+- ``operator``: through the operators as a compiled graph calls them
+  (``ortbridge::onnx_layer_saving``, then ``onnx_layer_saved_backward`` with
+  its handle): the operator's cost against the Function's.
+
+Hypothesis (issue 44): the operator costs no more per call than the
+Function, and a compiled model with ONNX layers trains at about eager's
+speed, apart from what ``torch.compile`` itself costs per step at small
+batches (``torch compiled`` against ``torch``). Printed per batch size: ms
+per step and the ratios.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 from torch import nn
 
 import ortbridge
-from ortbridge import _prepare, _torch_op
+from ortbridge import _prepare
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -57,19 +62,27 @@ def _models(device):
     return ours, reference, layer
 
 
-class _OpPath(nn.Module):
-    """The ONNX layer through the operator, eagerly (no compilation)."""
+def _layer_ways(layer, batch, device):
+    """Forward and backward of the layer alone: through the Function, and
+    through the operators as a compiled graph calls them (no autograd)."""
+    gen = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, 784, generator=gen).to(device).requires_grad_()
+    grad = torch.randn(batch, 10, generator=gen).to(device)
+    tensors = [x] + [layer.onnx_weight(n) for n in layer._weight_names]
+    needs = [t.requires_grad for t in tensors]
+    key, mode = layer._op_key, _prepare.EVAL
+    forward = torch.ops.ortbridge.onnx_layer_saving.default
+    backward = torch.ops.ortbridge.onnx_layer_saved_backward.default
 
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
+    def function():
+        layer(x).backward(grad)
 
-    def forward(self, x):
-        layer = self.layer
-        tensors = [x] + [layer.onnx_weight(n) for n in layer._weight_names]
-        mode = _prepare.TRAIN if layer.training else _prepare.EVAL
-        (out,) = _torch_op.call(layer._op_key, layer._bridge, mode, tensors)
-        return out
+    def operator():
+        with torch.no_grad():
+            *outputs, handle = forward(key, mode, tensors, needs)
+            backward(key, mode, handle, tensors, outputs, [grad], needs)
+
+    return {"function": function, "operator": operator}
 
 
 def _step(model, optimizer, x, y):
@@ -91,41 +104,45 @@ def main():
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ours, reference, layer = _models(device)
-    op_model = nn.Sequential(ours[0], _OpPath(layer), ours[2])
     torch._dynamo.reset()
-    ways = {
+    models = {
         "torch": reference,
         "torch compiled": torch.compile(reference, fullgraph=True),
         "eager": ours,
-        "op": op_model,
         "compiled": torch.compile(ours, fullgraph=True),
     }
-    optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in ways.items()}
+    optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
     results = {}
     for batch in args.batches:
         gen = torch.Generator().manual_seed(batch)
         x = torch.randn(batch, 64, generator=gen).to(device)
         y = torch.randint(0, 10, (batch,), generator=gen).to(device)
-        for name, model in ways.items():  # warm-up: builds and compilations
+        ways = {
+            name: (lambda m=model, o=optimizers[name], x=x, y=y: _step(m, o, x, y))
+            for name, model in models.items()
+        }
+        ways.update(_layer_ways(layer, batch, device))
+        for way in ways.values():  # warm-up: builds and compilations
             for _ in range(3):
-                _step(model, optimizers[name], x, y)
+                way()
         times = {name: [] for name in ways}
         for _ in range(args.rounds):
-            for name, model in ways.items():
+            for name, way in ways.items():
                 sync()
                 start = time.perf_counter()
                 for _ in range(args.steps):
-                    _step(model, optimizers[name], x, y)
+                    way()
                 sync()
                 times[name].append((time.perf_counter() - start) / args.steps * 1e3)
         ms = {name: statistics.median(t) for name, t in times.items()}
         results[batch] = ms
         print(f"batch {batch}: " + ", ".join(f"{n} {v:.3f} ms" for n, v in ms.items()))
         print(
-            f"  op/eager {ms['op'] / ms['eager']:.2f}, compiled/eager "
+            f"  operator/function {ms['operator'] / ms['function']:.2f}, compiled/eager "
             f"{ms['compiled'] / ms['eager']:.2f}, compiled/torch compiled "
             f"{ms['compiled'] / ms['torch compiled']:.2f}, eager/torch "
-            f"{ms['eager'] / ms['torch']:.2f}"
+            f"{ms['eager'] / ms['torch']:.2f}, torch compiled/torch "
+            f"{ms['torch compiled'] / ms['torch']:.2f}"
         )
     os.makedirs(args.out, exist_ok=True)
     suffix = "_cuda" if device.type == "cuda" else ""

@@ -7,7 +7,10 @@ the graph reads the parametrized value, ``to_onnx()`` and ``save()`` write
 it merged into the initializer, ``state_dict`` holds the original and the
 adapter's parameters as torch's does. :func:`ortbridge.lora` puts a
 :class:`~ortbridge.adapters.LowRank` update on every product weight (what a
-MatMul, Gemm or Conv reads as its weight) in one call.
+MatMul, Gemm or Conv reads as its weight) in one call;
+:func:`save_adapters` writes the updates apart, in onnxruntime's adapter
+format (``.onnx_adapter``), beside a base file that takes them (multi-LoRA
+serving: one base, an adapter per task).
 
 >>> import torch
 >>> from ortbridge.adapters import LowRank
@@ -21,14 +24,16 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import os
 
+import onnx
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
 from ._prepare._weights import product_weights
 
-__all__ = ["LowRank", "lora"]
+__all__ = ["LowRank", "lora", "save_adapters"]
 
 
 class LowRank(nn.Module):
@@ -122,3 +127,28 @@ def lora(
             else "no MatMul, Gemm or Conv reads a weight of the module's graphs"
         )
     return adapters
+
+
+def save_adapters(
+    layer: nn.Module, model_path: str | os.PathLike, adapter_path: str | os.PathLike
+) -> None:
+    """Write an :class:`~ortbridge.OnnxModule`'s LoRA updates as onnxruntime adapters.
+
+    ``adapter_path`` (``.onnx_adapter``, onnxruntime's adapter format): each
+    update's ``A`` and ``scale * B``, named ``<initializer>.lora_A`` and
+    ``.lora_B``. ``model_path``: the layer's file with those names as graph
+    inputs (symbolic rank) and each adapted weight read as ``W + B @ A``; the
+    inputs default to zeros, so without an adapter it runs the weights
+    before fine-tuning. onnxruntime applies an adapter with
+    ``RunOptions.add_active_adapter(onnxruntime.LoraAdapter())`` after
+    ``Load(adapter_path)``; onnxruntime-genai loads the same files.
+    ``layer.save()`` still writes the merged file. Needs maintained
+    onnxruntime (>= 1.20) for the adapter file.
+    """
+    from . import _adapter_format
+
+    params = _adapter_format.adapter_parameters(layer)
+    model = _adapter_format.base_model(layer)
+    # The adapter first: where onnxruntime cannot write one, nothing is written.
+    _adapter_format.write_adapter(params, adapter_path)
+    onnx.save(model, os.fspath(model_path))

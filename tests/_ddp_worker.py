@@ -37,14 +37,19 @@ def train(model: nn.Module, world_size: int = 1, rank: int = 0) -> list[float]:
     return losses
 
 
-def run(rank: int, world_size: int, port: int, model_path: str, out_dir: str) -> None:
+def run(
+    rank: int, world_size: int, port: int, model_path: str, out_dir: str, compiled: bool = False
+) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         model = DistributedDataParallel(OnnxModule(model_path))
-        losses = train(model, world_size, rank)
+        # Compiled, the layer is a torch operator in the graph DDP's buckets split.
+        losses = train(
+            torch.compile(model, backend="aot_eager") if compiled else model, world_size, rank
+        )
         state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
         torch.save({"state": state, "losses": losses}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

@@ -169,3 +169,70 @@ def test_lora_names_what_it_cannot_adapt():
         ortbridge.lora(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="rank >= 1"):
         LowRank((3, 3), rank=0)
+
+
+def _lora_trained(name, rank, alpha, seed):
+    _, layer, x = _pair(name)
+    before = layer(x).detach()
+    torch.manual_seed(seed)
+    adapters = ortbridge.lora(layer, rank=rank, alpha=alpha)
+    optimizer = torch.optim.SGD(adapters, lr=0.05)
+    for _ in range(3):
+        optimizer.zero_grad()
+        layer(x).square().mean().backward()
+        optimizer.step()
+    return layer, x, before
+
+
+def _run(path, x, adapter=None):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    options = ort.RunOptions()
+    if adapter is not None:
+        loaded = ort.LoraAdapter()
+        loaded.Load(str(adapter))
+        options.add_active_adapter(loaded)
+    return session.run(None, {session.get_inputs()[0].name: x.numpy()}, options)[0]
+
+
+@pytest.mark.parametrize("name", list(_MODELS))
+def test_adapters_in_onnxruntime_s_format_beside_a_base_file(tmp_path, name):
+    """One base file; without an adapter it is the model before fine-tuning,
+    with one (of any rank and alpha) it is that fine-tuned model."""
+    from ortbridge.adapters import save_adapters
+
+    if not hasattr(ort, "AdapterFormat"):  # the training build (1.19.2)
+        layer, _, _ = _lora_trained(name, 2, 4, 1)
+        with pytest.raises(ortbridge.exceptions.MissingDependencyError, match="onnxruntime 1.20"):
+            save_adapters(layer, tmp_path / "base.onnx", tmp_path / "a.onnx_adapter")
+        assert not list(tmp_path.iterdir())  # nothing half-written
+        return
+    layer, x, before = _lora_trained(name, 2, 4, 1)
+    other, _, _ = _lora_trained(name, 3, 1, 2)  # another task's adapter: rank 3
+    save_adapters(layer, tmp_path / "base.onnx", tmp_path / "a.onnx_adapter")
+    save_adapters(other, tmp_path / "base_b.onnx", tmp_path / "b.onnx_adapter")
+    with torch.no_grad():
+        want_a, want_b = layer(x).numpy(), other(x).numpy()
+    assert np.abs(want_a - before.numpy()).max() > 1e-3  # the adapters changed something
+    scale = float(np.abs(want_a).max())
+    np.testing.assert_allclose(_run(tmp_path / "base.onnx", x), before.numpy(), rtol=1e-5,
+                               atol=1e-5 * scale)  # fmt: skip
+    for adapter, want in (("a.onnx_adapter", want_a), ("b.onnx_adapter", want_b)):
+        got = _run(tmp_path / "base.onnx", x, tmp_path / adapter)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+    # The merged file (layer.save) is still the fine-tuned model.
+    merged = ort.InferenceSession(
+        layer.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    got = merged.run(None, {merged.get_inputs()[0].name: x.numpy()})[0]
+    np.testing.assert_allclose(got, want_a, rtol=1e-4, atol=1e-5 * scale)
+    params = ort.AdapterFormat.read_adapter(str(tmp_path / "a.onnx_adapter")).get_parameters()
+    assert len(params) == 2 * {"transformer": 5, "cnn": 2}[name]
+
+
+def test_save_adapters_names_what_it_cannot_write(tmp_path):
+    from ortbridge.adapters import save_adapters
+
+    _, layer, _ = _pair("cnn")
+    with pytest.raises(ortbridge.exceptions.OnnxInputError, match="no LowRank update"):
+        save_adapters(layer, tmp_path / "base.onnx", tmp_path / "a.onnx_adapter")
+    assert not list(tmp_path.iterdir())

@@ -6,6 +6,7 @@ import socket
 
 import _ddp_worker
 import onnx
+import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import export
@@ -20,7 +21,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_ddp_two_replicas_match_single_process_training(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_ddp_two_replicas_match_single_process_training(tmp_path, compiled):
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     model_path = tmp_path / "mlp.onnx"
@@ -28,7 +30,7 @@ def test_ddp_two_replicas_match_single_process_training(tmp_path):
 
     mp.spawn(
         _ddp_worker.run,
-        args=(2, free_port(), str(model_path), str(tmp_path)),
+        args=(2, free_port(), str(model_path), str(tmp_path), compiled),
         nprocs=2,
         join=True,
     )

@@ -107,16 +107,95 @@ def test_compiled_train_mode_batch_norm_updates_statistics_once():
         _close(layer.get_buffer(name), reference.get_buffer(name))
 
 
-def test_compiled_train_mode_dropout_is_refused_by_name():
+def test_compiled_step_runs_the_engine_forward_once(monkeypatch):
+    """The backward reads what the forward saved (a handle), as eager does:
+    one forward per step, and nothing kept after the backward."""
+    from ortbridge import _function, _torch_op
+
     torch._dynamo.reset()
+    ours, reference = _two_layers()
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    forward = _function._forward
+    runs = []
+    monkeypatch.setattr(_function, "_forward", lambda *a: runs.append(1) or forward(*a))
+    _compare(compiled, reference, torch.randn(5, 5))
+    assert len(runs) == 2  # two layers, one forward each
+    assert not _torch_op._STATES
+
+
+def test_compiled_state_is_freed_without_a_backward():
+    from ortbridge import _torch_op
+
+    torch._dynamo.reset()
+    ours, _ = _two_layers()
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    out = compiled(torch.randn(4, 5))
+    assert len(_torch_op._STATES) == 2
+    del out  # the graph goes, and what the forwards kept with it
+    assert not _torch_op._STATES
+
+
+def test_compiled_second_backward_runs_the_forward_again():
+    torch._dynamo.reset()
+    ours, reference = _two_layers()
+    with torch._functorch.config.patch(donated_buffer=False):  # torch's retain_graph rule
+        compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+        x = torch.randn(6, 5)
+        out = compiled(x)
+        first = torch.autograd.grad(out.sum(), list(ours.parameters()), retain_graph=True)
+        second = torch.autograd.grad(out.sum(), list(ours.parameters()))
+    want = torch.autograd.grad(reference(x).sum(), list(reference.parameters()))
+    for a, b, w in zip(first, second, want):
+        _close(a, w)
+        _close(b, w)
+
+
+def test_compiled_checkpoint_matches_eager():
+    from torch.utils.checkpoint import checkpoint
+
+    torch._dynamo.reset()
+    ours, reference = _two_layers()
+    compiled = torch.compile(
+        lambda x: checkpoint(ours, x, use_reentrant=False), fullgraph=True, backend="aot_eager"
+    )
+    x = torch.randn(4, 5)
+    compiled(x).sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(ours.parameters(), reference.parameters()):
+        _close(p.grad, q.grad)
+
+
+def test_torch_checkpoint_is_torch_s_own_after_onnxruntime_is_imported():
+    """onnxruntime-training's import swaps in ORTModule's wrapper, which
+    torch.compile cannot trace with use_reentrant=; ortbridge gives it back."""
+    import torch.utils.checkpoint as checkpointing
+
+    from ortbridge._runtime import _ort
+
+    _ort.runtime()
+    assert checkpointing.checkpoint.__module__ == "torch.utils.checkpoint"
+
+
+def test_compiled_train_mode_dropout_backward_uses_the_forward_masks():
+    torch._dynamo.reset()
+    layer = OnnxModule(export(nn.Sequential(nn.Dropout(0.5)).train(), (torch.randn(4, 6),)))
+    compiled = torch.compile(layer.train(), fullgraph=True, backend="aot_eager")
+    x = (torch.rand(64, 6) + 0.5).requires_grad_()  # no zeros: a zero output is a dropped one
+    out = compiled(x)
+    out.sum().backward()
+    kept = out.detach() != 0
+    assert 0 < int(kept.sum()) < kept.numel()
+    # d out / d x is the mask over (1 - p), the same mask the forward drew.
+    torch.testing.assert_close(x.grad, kept.float() * 2)
+
+
+def test_exported_train_mode_dropout_backward_is_refused_by_name():
     net = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.3), nn.Linear(8, 2))
     layer = OnnxModule(export(net.train(), (torch.randn(4, 6),))).train()
-    compiled = torch.compile(layer, backend="aot_eager")
+    module = torch.export.export(layer, (torch.randn(3, 6),)).module()
+    out = module(torch.randn(3, 6))
     with pytest.raises(OrtBridgeError, match="draws Dropout masks in train mode.*eval mode"):
-        compiled(torch.randn(3, 6))
-    layer.eval()  # eval mode compiles and runs
-    x = torch.randn(3, 6)
-    _close(compiled(x).detach(), net.eval()(x).detach())
+        out.sum().backward()
 
 
 def test_torch_export_with_a_dynamic_batch_matches_eager():

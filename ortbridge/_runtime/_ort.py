@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 
 from ..exceptions import MissingDependencyError
 
@@ -84,7 +85,33 @@ def runtime():
         import onnxruntime as ort
     except ImportError as exc:
         raise MissingDependencyError(f"onnxruntime is not installed: {_ANY_HINT}") from exc
+    _restore_torch_checkpoint()
     return ort
+
+
+def _restore_torch_checkpoint() -> None:
+    """Give ``torch.utils.checkpoint.checkpoint`` back to torch.
+
+    onnxruntime-training's ``import onnxruntime`` imports ORTModule, which
+    swaps torch's ``checkpoint`` for a wrapper that only acts when
+    ``ORTMODULE_MEMORY_OPT_LEVEL=1`` and otherwise calls torch's; but
+    ``torch.compile`` cannot trace the wrapper with ``use_reentrant=`` (a
+    model with ONNX layers and checkpointing would not compile). Left as it
+    is where that variable asks for ORTModule's layer-wise recompute.
+    """
+    if os.environ.get("ORTMODULE_MEMORY_OPT_LEVEL", "0").strip() == "1":
+        return
+    import torch.utils.checkpoint as checkpointing
+
+    # Its failed import (torch >= 2.10 lacks what it imports) may run twice: wrappers of wrappers.
+    found = checkpointing.checkpoint
+    while getattr(found, "__module__", "").startswith("onnxruntime.training"):
+        code, cells = getattr(found, "__code__", None), getattr(found, "__closure__", None) or ()
+        kept = dict(zip(code.co_freevars if code else (), (c.cell_contents for c in cells)))
+        found = kept.get("original_checkpoint")
+        if not callable(found):
+            return
+    checkpointing.checkpoint = found
 
 
 @functools.cache

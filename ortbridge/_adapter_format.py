@@ -1,0 +1,152 @@
+"""A layer's LoRA adapters in onnxruntime's adapter format (``.onnx_adapter``).
+
+onnxruntime's multi-LoRA serving (``RunOptions.add_active_adapter``, and
+onnxruntime-genai) feeds an adapter's parameters to graph inputs of the same
+names. So the base file reads each adapted weight ``W`` as
+
+    W = W.lora_base + Reshape(MatMul(W.lora_B, W.lora_A), shape of W)
+
+with ``W.lora_A`` (rank, columns) and ``W.lora_B`` (rows, rank) graph inputs
+whose rank is symbolic, defaulting to initializers of zeros: run without an
+adapter, the file is the model before fine-tuning. The adapter file holds
+``A`` and ``scale * B``, so adapters of any rank and alpha fit one base file.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper, numpy_helper
+from torch.nn.utils import parametrize
+
+from ._prepare import with_weights
+from ._runtime import _ort
+from .exceptions import MissingDependencyError, OnnxInputError
+
+_RANK = "lora_rank"
+
+
+def adapted(layer) -> dict[str, tuple[torch.Tensor, object]]:
+    """Initializer name -> (its weight before the update, the LowRank update)."""
+    from .adapters import LowRank
+
+    found = {}
+    for name in layer._weight_names:
+        path = layer._onnx_names[name]
+        owner = layer._owner(path)
+        if not parametrize.is_parametrized(owner, path[-1]):
+            continue
+        chain = owner.parametrizations[path[-1]]
+        updates = [p for p in chain if isinstance(p, LowRank)]
+        if updates and len(chain) > 1:
+            raise OnnxInputError(
+                f"weight {name!r} has other parametrizations beside its LowRank update: "
+                "an adapter file holds only the update; remove them, or ship the merged file"
+            )
+        if updates:
+            found[name] = (chain.original, updates[0])
+    return found
+
+
+def base_model(layer) -> onnx.ModelProto:
+    """The layer's file with each adapted weight read through adapter inputs."""
+    updates = adapted(layer)
+    if not updates:
+        raise OnnxInputError(
+            "the layer has no LowRank update: call ortbridge.lora() on it first, or ship "
+            "to_onnx()'s file"
+        )
+    model = with_weights(
+        layer.to_onnx(),
+        {name: w.detach().cpu().numpy() for name, (w, _) in updates.items()},
+    )
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    producers = {
+        out: node for node in graph.node if node.op_type == "Constant" for out in node.output
+    }
+    nodes = []
+    for name, (weight, update) in updates.items():
+        base = f"{name}.lora_base"
+        if name in inits:
+            inits[name].name = base
+            elem = inits[name].data_type
+        elif name in producers and producers[name].attribute[0].name == "value":
+            node = producers[name]  # a Constant node's weight becomes an initializer
+            graph.node.remove(node)
+            graph.initializer.append(numpy_helper.from_array(_value(node), base))
+            elem = node.attribute[0].t.data_type
+        else:
+            raise OnnxInputError(
+                f"weight {name!r} is neither an initializer nor a Constant node's value of the "
+                "main graph: its adapter cannot be written; ship to_onnx()'s merged file"
+            )
+        for i, value_info in enumerate(graph.input):
+            if value_info.name == name:  # an initializer also listed as input (IR < 4)
+                del graph.input[i]
+                break
+        rank, rows = update.A.shape[0], weight.shape[0]
+        columns = update.A.shape[1]
+        a_name, b_name, shape_name = f"{name}.lora_A", f"{name}.lora_B", f"{name}.lora_shape"
+        dtype = helper.tensor_dtype_to_np_dtype(elem)
+        graph.input.append(helper.make_tensor_value_info(a_name, elem, [_RANK, columns]))
+        graph.input.append(helper.make_tensor_value_info(b_name, elem, [rows, _RANK]))
+        graph.initializer.extend(
+            [
+                numpy_helper.from_array(np.zeros((rank, columns), dtype), a_name),
+                numpy_helper.from_array(np.zeros((rows, rank), dtype), b_name),
+                numpy_helper.from_array(np.array(weight.shape, np.int64), shape_name),
+            ]
+        )
+        if model.ir_version < 4:  # every initializer an input
+            graph.input.append(helper.make_tensor_value_info(base, elem, list(weight.shape)))
+            graph.input.append(
+                helper.make_tensor_value_info(shape_name, onnx.TensorProto.INT64, [weight.dim()])
+            )
+        product, delta = f"{name}.lora_product", f"{name}.lora_delta"
+        nodes += [
+            helper.make_node("MatMul", [b_name, a_name], [product], name=f"{name}/lora_matmul"),
+            helper.make_node(
+                "Reshape", [product, shape_name], [delta], name=f"{name}/lora_reshape"
+            ),
+            helper.make_node("Add", [base, delta], [name], name=f"{name}/lora_add"),
+        ]
+    rest = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes + rest)  # before every reader of the weights
+    return model
+
+
+def _value(node: onnx.NodeProto) -> np.ndarray:
+    return numpy_helper.to_array(node.attribute[0].t)
+
+
+def adapter_parameters(layer) -> dict[str, np.ndarray]:
+    """The adapter file's values: ``A`` and ``scale * B`` of each update."""
+    params = {}
+    for name, (_, update) in adapted(layer).items():
+        with torch.no_grad():
+            params[f"{name}.lora_A"] = update.A.detach().cpu().numpy()
+            params[f"{name}.lora_B"] = (update.B * update.scale).detach().cpu().numpy()
+    return params
+
+
+def write_adapter(params: dict[str, np.ndarray], path: str | os.PathLike) -> None:
+    """Write ``params`` as an onnxruntime adapter file (maintained onnxruntime >= 1.20)."""
+    ort = _ort.runtime()
+    if not hasattr(ort, "AdapterFormat"):
+        raise MissingDependencyError(
+            f"onnxruntime {ort.__version__} cannot write adapter files (AdapterFormat came in "
+            "onnxruntime 1.20; the training build is 1.19.2): install maintained onnxruntime "
+            '(`pip install "ortbridge[ort]"`) to write them, or ship to_onnx()\'s merged file'
+        )
+    adapter = ort.AdapterFormat()
+    adapter.set_adapter_version(1)
+    adapter.set_model_version(1)
+    adapter.set_parameters(
+        {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}
+    )
+    adapter.export_adapter(os.fspath(path))
