@@ -18,7 +18,7 @@ FOLDER = 15
 TOP = {
     "__init__.py", "__main__.py", "module.py", "losses.py", "adapters.py", "exceptions.py",
     "examples.py", "_gradcheck.py", "_call_checks.py", "_module_weights.py", "_bridge.py",
-    "_function.py", "_torch_op.py", "_onnx_export.py",
+    "_function.py", "_torch_op.py", "_onnx_export.py", "_adapter_format.py",
 }  # fmt: skip
 #: The pipeline's stages: each package's docstring says what goes in and what comes out.
 STAGES = [
