@@ -195,9 +195,10 @@ def test_conv_weight_gradient_by_im2col_matches_torch(c_in, stride, padding, bat
     graph = layer._bridge.gradient_graph("train", [False, *[True] * 4], x.device, [x])
     built = graph.static_built([x])
     ops = [(n.op_type, n.output[0]) for n in built.split.backward.graph.node]
-    # A batch of one swaps a unit axis, a view: nothing to rewrite then.
+    # A batch of one too (its Transposes became Reshapes): the weight-gradient
+    # Conv's huge kernel costs as much there (YOLOv8n at batch 1: 0.82x the step).
     rewritten = sum(1 for op, out in ops if op == "Conv" and out.endswith("/cols"))
-    assert rewritten == (2 if batch > 1 else 0), ops
+    assert rewritten == 2, ops
 
 
 @needs_engine
