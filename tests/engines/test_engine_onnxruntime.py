@@ -229,16 +229,24 @@ def test_pointwise_conv_weight_gradient_is_one_matmul(c_in, c_out, batch, size):
 @needs_engine
 @pytest.mark.parametrize(
     "kernel, stride, padding, dilation, as_conv",
-    [(3, 1, 1, 1, True), (3, 1, 0, 2, True), (3, 2, 1, 1, False), (5, 1, 2, 1, False)],
-    ids=["3x3", "3x3-dilated", "3x3-strided", "5x5"],
+    [
+        (3, 1, 1, 1, True),
+        (3, 1, 0, 2, True),
+        (3, 2, 1, 1, False),
+        (5, 1, 2, 1, True),
+        (7, 1, 3, 1, True),
+        (9, 1, 4, 1, False),
+    ],
+    ids=["3x3", "3x3-dilated", "3x3-strided", "5x5", "7x7", "9x9"],
 )
 def test_depthwise_input_gradient_of_stride_one_is_a_depthwise_conv(
     kernel, stride, padding, dilation, as_conv, monkeypatch
 ):
-    """A depthwise 3x3 of stride 1: its input gradient runs as the depthwise Conv
-    with the flipped kernel (onnxruntime's depthwise ConvTranspose is slower);
-    strided or larger kernels keep the ConvTranspose; torch's gradients. (The
-    Conv kept: over this small image it would become products first.)"""
+    """A depthwise kernel of stride 1 up to 7x7: its input gradient runs as the
+    depthwise Conv with the flipped kernel (onnxruntime's depthwise
+    ConvTranspose is slower); strided or larger kernels keep the
+    ConvTranspose; torch's gradients. (The Conv kept: over this small image
+    it would become products first.)"""
     from ortbridge._engines.onnxruntime.passes import _dense_depthwise
 
     monkeypatch.setattr(_dense_depthwise, "MAX_ONE_HOT", 0)
