@@ -165,6 +165,27 @@ def test_compiled_checkpoint_matches_eager():
         _close(p.grad, q.grad)
 
 
+def test_compiled_under_autocast_matches_eager_under_autocast():
+    """In an autocast region the layer takes its inputs in the graph's dtype,
+    compiled as eagerly; the torch parts around it autocast as torch's do."""
+    torch._dynamo.reset()
+    ours, _ = _two_layers()
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    x = torch.randn(6, 5)
+    results = []
+    for model in (compiled, ours):
+        ours.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().square().sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in ours.parameters()]))
+    (out, grads), (want, want_grads) = results
+    assert out.dtype == want.dtype
+    _close(out.float(), want.float())
+    for g, w in zip(grads, want_grads):
+        _close(g, w)
+
+
 def test_torch_checkpoint_is_torch_s_own_after_onnxruntime_is_imported():
     """onnxruntime-training's import swaps in ORTModule's wrapper, which
     torch.compile cannot trace with use_reentrant=; ortbridge gives it back."""
