@@ -9,20 +9,33 @@
 # Each stage has its own time limit and log under OUT, so a stage that runs over still
 # leaves the others' results; OUT gets at most eight files (the device tool brings back
 # no more).
+#
+# GPU_DRY_RUN=1 rehearses it here, on the CPU (tests/test_gpu_script.py does, in CI):
+# no payload, this environment's Python (GPU_PYTHON), the benchmarks on the CPU with one
+# model and one round, the suite's stage collecting only, the CUDA tests skipping. The
+# stages, their limits, logs and the files left under OUT are the GPU run's.
 set -u
 out=${1:?usage: gpu_checks.sh OUT}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+py=${GPU_PYTHON:-python3}
+dry=${GPU_DRY_RUN:-}
+device=cuda
 site=${GPU_SITE:-/tmp/site}
-if [ ! -d "$site/onnxruntime" ]; then
+if [ -n "$dry" ]; then
+    export CUDA_VISIBLE_DEVICES=""
+    device=cpu
+elif [ ! -d "$site/onnxruntime" ]; then
     (cd /tmp && sha256sum -c "$OLDPWD/.gpu/payload.sha" && mkdir -p payload "$site" \
         && tar xf payload.tar -C payload && tar xJf payload/ort-gpu.tar.xz -C "$site" \
         && python3 -m pip install -q --no-index --no-deps --target "$site" payload/wheels/*.whl) \
         >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 fi
-export PYTHONPATH="$site:$PWD" ORTBRIDGE_MODEL_CACHE=/tmp/payload/models
+if [ -z "$dry" ]; then
+    export PYTHONPATH="$site:$PWD" ORTBRIDGE_MODEL_CACHE=/tmp/payload/models
+fi
 # onnxruntime's CUDA provider loads cuDNN and cuBLAS: those of torch's NVIDIA packages.
-nvidia_libs=$(python3 - <<'EOF'
+nvidia_libs=$("$py" - <<'EOF'
 import glob, importlib.util, os
 spec = importlib.util.find_spec("nvidia")
 roots = spec.submodule_search_locations if spec else []
@@ -44,17 +57,21 @@ stage() {  # stage NAME SECONDS COMMAND...: COMMAND's output in OUT/NAME.log, it
 
 stages=${GPU_STAGES:-environment suite cuda_tests bench_step bench_zoo}
 has() { [[ " $stages " == *" $1 "* ]]; }
-model=$ORTBRIDGE_MODEL_CACHE/rapidocr-3.10.0/rapidocr/models/PP-OCRv6_rec_small.onnx
+model=$("$py" -c "from ortbridge.examples import published_file as f
+print(f('rapidocr', '3.10.0', 'rapidocr/models/PP-OCRv6_rec_small.onnx'))")
 has environment && stage environment 45 bash -c \
-    "nvidia-smi -L; echo overcommit \$(cat /proc/sys/vm/overcommit_memory); python3 -m ortbridge inspect $model"
+    "nvidia-smi -L; echo overcommit \$(cat /proc/sys/vm/overcommit_memory); $py -m ortbridge inspect $model"
 # The CUDA tests first and alone: the memory checks read the device's free memory,
 # which another process's CUDA work would move.
-has cuda_tests && stage cuda_tests 240 python3 -m pytest -q -p no:cacheprovider -rs -s \
+has cuda_tests && stage cuda_tests 240 "$py" -m pytest -q -p no:cacheprovider -rs -s \
     tests/test_cuda.py tests/test_execution.py -k "cuda or CUDA"
 # Then the whole suite (published models but the carried ones need the registry: left
 # out; the CUDA tests ran above) in the background on most cores.
 if has suite; then
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 10 --timeout 150 tests \
+    # The rehearsal collects only, without the GPU image's xdist and timeout plugins.
+    parallel=(-n 10 --timeout 150)
+    [ -n "$dry" ] && parallel=(--collect-only)
+    timeout 200 "$py" -m pytest -q -p no:cacheprovider "${parallel[@]}" tests \
         --ignore=tests/test_published_models.py --ignore=tests/test_cuda.py \
         >"$out/suite.log" 2>&1 &
     suite=$!
@@ -64,11 +81,18 @@ if has suite; then
     echo "== suite: exit $?"
     tail -n 30 "$out/suite.log"
 fi
-has bench_step && stage bench_step 120 python3 benchmarks/bench_step.py --device cuda --compile \
-    --rounds 5 --steps 10 --out /tmp/bench
-has bench_zoo && stage bench_zoo 120 python3 benchmarks/bench_zoo.py --device cuda --rounds 3 \
-    --out /tmp/bench
+bench=${GPU_BENCH_OUT:-/tmp/bench}
+step_args=(--rounds 5 --steps 10)
+zoo_args=(--rounds 3)
+if [ -n "$dry" ]; then
+    step_args=(--rounds 1 --steps 1 --models mlp)
+    zoo_args=(--rounds 1 --steps 1 --models resnet)
+fi
+has bench_step && stage bench_step 120 "$py" benchmarks/bench_step.py --device $device --compile \
+    "${step_args[@]}" --out "$bench"
+has bench_zoo && stage bench_zoo 120 "$py" benchmarks/bench_zoo.py --device $device \
+    "${zoo_args[@]}" --out "$bench"
 # GPU_EXTRA: a command of the session's own, run last in this environment.
 [ -n "${GPU_EXTRA:-}" ] && stage extra 150 bash -c "$GPU_EXTRA"
-cp /tmp/bench/bench_step_cuda.json /tmp/bench/bench_zoo_cuda.json "$out"/ 2>/dev/null
+cp "$bench"/bench_step*.json "$bench"/bench_zoo*.json "$out"/ 2>/dev/null
 exit 0
