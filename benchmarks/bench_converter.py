@@ -153,10 +153,13 @@ def _ways(path, model_id, batch, compiled: bool, agent: bool):
     found["ortbridge"] = (step, time.perf_counter() - start, outs)
     if agent:
         start = time.perf_counter()
-        held = ortbridge.OnnxModule(path, backend="training-agent").eval()
-        step = _step_fn(held, feeds, weights)
-        outs = step()
-        found["agent"] = (step, time.perf_counter() - start, outs)
+        try:
+            held = ortbridge.OnnxModule(path, backend="training-agent").eval()
+            step = _step_fn(held, feeds, weights)
+            outs = step()
+            found["agent"] = (step, time.perf_counter() - start, outs)
+        except ortbridge.OrtBridgeError as exc:  # the agent's refusal is a result
+            found["agent"] = (None, f"{type(exc).__name__}: {exc}"[:200], None)
     start = time.perf_counter()
     converted = None
     try:
