@@ -58,8 +58,11 @@ class Bridge:
         position = {name: i for i, name in enumerate(self.feed_names)}
         self.batch_norms = [] if frozen_batch_norm else _prepare.batch_norm_nodes(model)
         self.stat_positions = [(position[b.mean], position[b.var]) for b in self.batch_norms]
+        #: Feed positions of the running statistics, in the order a train-mode
+        #: graph gives their new values after the user outputs.
+        self.stat_order = [p for pair in self.stat_positions for p in pair]
         #: Feed positions of the running statistics updated in train mode.
-        self.running_stat_positions = {p for pair in self.stat_positions for p in pair}
+        self.running_stat_positions = set(self.stat_order)
         self._stat_feeds = sorted(self.running_stat_positions)
         self._gradient_graphs: dict = {}
         self._inference_graphs: dict = {}
@@ -284,6 +287,10 @@ class Bridge:
             self._inference_graphs[key] = graph
         return graph
 
+    def n_stat_outputs(self, mode: str) -> int:
+        """How many outputs after the user's a ``mode`` graph gives (new running statistics)."""
+        return len(self.stat_order) if mode == _prepare.TRAIN else 0
+
     def run_feeds(self, mode: str, tensors):
         """The tensors a call hands onnxruntime: ``tensors``, with copies of the
         running statistics in train mode.
@@ -358,7 +365,7 @@ class Bridge:
     def run_inference(self, mode: str, tensors, device: torch.device) -> list[torch.Tensor]:
         graph = self.inference_graph(mode, device, tensors)
         outputs = graph.run(dict(zip(self.feed_names, self.run_feeds(mode, tensors))))
-        n_user = len(outputs) - (2 * len(self.batch_norms) if mode == _prepare.TRAIN else 0)
+        n_user = len(outputs) - self.n_stat_outputs(mode)
         self.update_running_stats(tensors, outputs[n_user:])
         return outputs[:n_user]
 

@@ -68,12 +68,11 @@ def call(key: str, bridge, mode: str, tensors: list[torch.Tensor]) -> list[torch
         outputs = torch.ops.ortbridge.onnx_layer_saving(key, mode, tensors, needs)[:-1]
     else:
         outputs = torch.ops.ortbridge.onnx_layer(key, mode, tensors)
-    n_stats = 2 * len(bridge.batch_norms) if mode == _prepare.TRAIN else 0
+    n_stats = bridge.n_stat_outputs(mode)
     if n_stats:
         n_user = len(outputs) - n_stats
         with torch.no_grad():
-            positions = [pos for pair in bridge.stat_positions for pos in pair]
-            for pos, new in zip(positions, outputs[n_user:]):
+            for pos, new in zip(bridge.stat_order, outputs[n_user:]):
                 old = tensors[pos]
                 old.copy_(torch.where(torch.isnan(new), old, new))
         outputs = outputs[:n_user]
@@ -105,7 +104,12 @@ def onnx_layer(key: str, mode: str, tensors: list[torch.Tensor]) -> list[torch.T
     device = tensors[0].device if tensors else torch.device("cpu")
     graph = bridge.inference_graph(mode, device, tensors)
     outputs = graph.run(dict(zip(bridge.feed_names, bridge.run_feeds(mode, tensors))))
-    # An operator's outputs may not alias its inputs (an Identity graph hands one back).
+    return _unaliased(outputs, tensors)
+
+
+def _unaliased(outputs, tensors):
+    """``outputs``, those sharing an input's memory copied: an operator's
+    outputs may not alias its inputs (an Identity graph hands one back)."""
     ptrs = {t.data_ptr() for t in tensors}
     return [o.clone() if o.data_ptr() in ptrs and o.numel() else o for o in outputs]
 
@@ -118,10 +122,9 @@ def onnx_layer_saving(
     for the gradients of the tensors ``needs`` marks."""
     bridge = _bridge(key)
     ctx, outputs = _engine_forward(bridge, mode, tensors, needs)
-    ptrs = {t.data_ptr() for t in tensors}
-    outputs = [o.clone() if o.data_ptr() in ptrs and o.numel() else o for o in outputs]
+    outputs = _unaliased(outputs, tensors)
     if mode == _prepare.TRAIN:  # the running statistics the forward updated, on copies
-        outputs += [ctx.volatile[pos] for pair in bridge.stat_positions for pos in pair]
+        outputs += [ctx.volatile[pos] for pos in bridge.stat_order]
     handle = torch.tensor(next(_HANDLES))
     _STATES[int(handle)] = ctx
     weakref.finalize(handle, _STATES.pop, int(handle), None)
@@ -311,8 +314,7 @@ def _onnx_layer_saved_backward_fake(key, mode, handle, tensors, outputs, grads, 
 
 def _saving_setup_context(ctx, inputs, output):
     key, mode, tensors, _ = inputs
-    n_stats = 2 * len(_bridge(key).batch_norms) if mode == _prepare.TRAIN else 0
-    user = output[: len(output) - 1 - n_stats]
+    user = output[: len(output) - 1 - _bridge(key).n_stat_outputs(mode)]
     _save(ctx, key, mode, tensors, [*user, output[-1]])
     ctx.n_user = len(user)
 
