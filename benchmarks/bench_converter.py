@@ -46,6 +46,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
 
+from _profiles import engine_ms_by_op, profiling_options  # noqa: E402
 from _published import CORPUS, HELD_OUT, fetch  # noqa: E402
 
 import ortbridge  # noqa: E402
@@ -217,39 +218,23 @@ def _difference(ways):
 
 
 def _profile(path, model_id, batch, steps=5, shown=8):
-    """Milliseconds per step by op type: onnxruntime's nodes (ortbridge), torch's ops (onnx2fx)."""
-    import gc
-    import glob
+    """Milliseconds per step by op type: onnxruntime's nodes (ortbridge, each
+    node's median over the steps after the first), torch's ops (onnx2fx)."""
     import tempfile
 
     import onnx2fx
-    import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as tmp:
-        options = ort.SessionOptions()
-        options.enable_profiling = True
-        options.profile_file_prefix = os.path.join(tmp, "ort")
-        layer = ortbridge.OnnxModule(path, session_options=options).eval()
+        layer = ortbridge.OnnxModule(path, session_options=profiling_options(tmp)).eval()
         feeds = _feeds(model_id, layer.input_names, batch)
         first = layer(*feeds)  # the gradient sessions' forward: the first step's
         first = first if isinstance(first, tuple) else (first,)
         weights = _weights(first)
         sum((o * w).sum() for o, w in zip(first, weights) if w is not None).backward()
         step = _step_fn(layer, feeds, weights)
-        for _ in range(steps - 1):
+        for _ in range(steps):
             step()
-        del first, layer, step
-        gc.collect()  # the sessions end, and write their profiles
-        ours = {}
-        for name in glob.glob(os.path.join(tmp, "ort*.json")):
-            with open(name) as f:
-                for event in json.load(f):
-                    if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-                        op = event["args"].get("op_name", "?")
-                        ours[op] = ours.get(op, 0.0) + event["dur"] / 1e3
-    ours = {op: ms / steps for op, ms in ours.items()}
-    if not ours:
-        raise SystemExit("onnxruntime wrote no profile: the sessions are still held")
+        ours = engine_ms_by_op(layer, tmp)
     converted = _frozen_statistics(onnx2fx.make_trainable(onnx2fx.convert(str(path)))).eval()
     step = _step_fn(converted, feeds, weights)
     step()

@@ -31,8 +31,6 @@ first step, and each stage of its build (cProfile's cumulative seconds):
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import json
 import os
 import platform
@@ -48,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
 
 from _measure import saved_bytes  # noqa: E402
+from _profiles import engine_ms_by_op, profiling_options  # noqa: E402
 
 import ortbridge  # noqa: E402
 from ortbridge import _engines  # noqa: E402
@@ -88,30 +87,14 @@ def _step(net, inputs):
 
 
 def _profile(layer, inputs, steps=5) -> dict:
-    """Milliseconds per step by op type in the onnxruntime engine's sessions: each
-    node's median over the steps after the first (which allocates), summed."""
+    """Milliseconds per step by op type in the onnxruntime engine's sessions
+    (:func:`_profiles.engine_ms_by_op`)."""
     folder = tempfile.mkdtemp()
-    options = _ort.runtime().SessionOptions()
-    options.enable_profiling = True
-    options.profile_file_prefix = os.path.join(folder, "zoo")
     profiled = ortbridge.OnnxModule(layer.to_onnx(), backend="onnxruntime",
-                                    session_options=options).eval()  # fmt: skip
+                                    session_options=profiling_options(folder)).eval()  # fmt: skip
     for _ in range(steps + 1):
         _step(profiled, inputs)
-    for graph in profiled._bridge._gradient_graphs.values():
-        for session in graph.sessions:
-            session.end_profiling()
-    runs: dict = collections.defaultdict(list)
-    for path in glob.glob(os.path.join(folder, "*.json")):
-        with open(path) as f:
-            for event in json.load(f):
-                if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-                    key = (path, event["args"].get("op_name", "?"), event["name"])
-                    runs[key].append(event["dur"] / 1e3)
-    by_op: dict = collections.Counter()
-    for (_, op, _), ms in runs.items():
-        by_op[op] += statistics.median(ms[1:] or ms)
-    return dict(by_op.most_common(12))
+    return engine_ms_by_op(profiled, folder, shown=12)
 
 
 #: The stages of the onnxruntime engine's build, as (label, module, function):
