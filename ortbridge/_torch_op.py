@@ -243,9 +243,14 @@ def _recomputed(bridge, key, mode, tensors, grads, needs):
     return _engine_backward(ctx, grads, needs)
 
 
+def _gradients_like(tensors, needs):
+    """The backward operators' fake outputs: one gradient per tensor ``needs`` marks."""
+    return [torch.empty_like(t) for t, need in zip(tensors, needs) if need]
+
+
 @onnx_layer_backward.register_fake
 def _onnx_layer_backward_fake(key, mode, tensors, grads, needs):
-    return [torch.empty_like(t) for t, need in zip(tensors, needs) if need]
+    return _gradients_like(tensors, needs)
 
 
 def _save(ctx, key, mode, tensors, extra):
@@ -309,7 +314,7 @@ def onnx_layer_saved_backward(
 
 @onnx_layer_saved_backward.register_fake
 def _onnx_layer_saved_backward_fake(key, mode, handle, tensors, outputs, grads, needs):
-    return [torch.empty_like(t) for t, need in zip(tensors, needs) if need]
+    return _gradients_like(tensors, needs)
 
 
 def _saving_setup_context(ctx, inputs, output):
