@@ -156,6 +156,44 @@ def probe(name: str, suite=None) -> _coverage.NodeCase:
     return found[0]
 
 
+def per_axis_fake_quantization():
+    """A weight under per-channel fake quantization (int8, one scale per row)."""
+    nodes = [
+        h.make_node("QuantizeLinear", ["w", "scale", "zero"], ["q"], axis=0),
+        h.make_node("DequantizeLinear", ["q", "scale", "zero"], ["dq"], axis=0),
+        h.make_node("MatMul", ["x", "dq"], ["y"]),
+    ]
+    init = [
+        nh.from_array(np.array([0.02, 0.05, 0.1], np.float32), "scale"),
+        nh.from_array(np.zeros(3, np.int8), "zero"),
+    ]
+    return _case(
+        "per_axis_fake_quantization", "QuantizeLinear", nodes, ["x", "w"],
+        [_random(2, 3), _random(3, 4)], ["y"], initializers=init,
+    )  # fmt: skip
+
+
+def shared_zero_point_fake_quantization():
+    """Two activations under fake quantization with one scale and zero point
+    (onnxruntime's quantizer writes a MaxPool's input and output so)."""
+    nodes = [
+        h.make_node("MatMul", ["x", "w"], ["a"]),
+        h.make_node("QuantizeLinear", ["a", "scale", "zero"], ["qa"]),
+        h.make_node("DequantizeLinear", ["qa", "scale", "zero"], ["da"]),
+        h.make_node("Relu", ["da"], ["r"]),
+        h.make_node("QuantizeLinear", ["r", "scale", "zero"], ["qr"]),
+        h.make_node("DequantizeLinear", ["qr", "scale", "zero"], ["y"]),
+    ]
+    init = [
+        nh.from_array(np.array(0.05, np.float32), "scale"),
+        nh.from_array(np.array(128, np.uint8), "zero"),
+    ]
+    return _case(
+        "shared_zero_point_fake_quantization", "QuantizeLinear", nodes, ["x", "w"],
+        [_random(2, 3), _random(3, 4)], ["y"], initializers=init,
+    )  # fmt: skip
+
+
 def reshape_allowzero_beside_a_weight():
     """An empty tensor reshaped with allowzero=1, summed into an output a weight reaches."""
     nodes = [

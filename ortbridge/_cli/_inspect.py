@@ -16,6 +16,7 @@ import onnx
 
 from .. import _prepare
 from .._prepare._onnx_utils import FLOAT_TYPES
+from .._prepare.quantized import quantized_weights
 from .._runtime import _ort
 from ..exceptions import OrtBridgeError
 
@@ -104,9 +105,29 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
         }
         for name, array in summary.float_initializers.items()
     ]
+    quantized = quantized_weights(model)
     info["non_float_initializers"] = sum(
-        1 for init in model.graph.initializer if init.data_type not in FLOAT_TYPES
+        1
+        for init in model.graph.initializer
+        if init.data_type not in FLOAT_TYPES and init.name not in quantized
     )
+    info["quantized"] = {
+        "weights": [
+            {
+                "name": q.name,
+                "dtype": onnx.helper.tensor_dtype_to_np_dtype(q.elem_type).name,
+                "per": f"axis {q.axis}" if q.scale.size > 1 else "tensor",
+                "trains": "fake quantization" if q.paired else "float",
+            }
+            for q in quantized.values()
+        ],
+        # Activations under a QuantizeLinear/DequantizeLinear pair of the file.
+        "activation_pairs": sum(
+            1
+            for n in model.graph.node
+            if n.op_type == "QuantizeLinear" and n.input[0] not in quantized
+        ),
+    }
     info["check"] = None
     if check and module is not None:
         from .._gradcheck import gradcheck
@@ -220,6 +241,21 @@ def _print_text(info: dict, out) -> None:
             f"({init['size']:,} values{where})",
             file=out,
         )
+    quantized = info["quantized"]
+    if quantized["weights"] or quantized["activation_pairs"]:
+        print(
+            f"quantized: {len(quantized['weights'])} integer weights train as float "
+            "(dequantized values; saved as the file's integers, same scales and zero "
+            f"points), {quantized['activation_pairs']} activations quantized by the file",
+            file=out,
+        )
+        for q in quantized["weights"]:
+            how = (
+                "under fake quantization (straight-through gradient inside the range)"
+                if q["trains"] == "fake quantization"
+                else "unquantized (rounded to its step on saving)"
+            )
+            print(f"  {q['name']}: {q['dtype']} per {q['per']}, trains {how}", file=out)
     total = sum(init["size"] for init in inits)
     print(
         f"  ({total:,} values in all; {info['non_float_initializers']} non-float initializers "

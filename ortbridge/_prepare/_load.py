@@ -153,6 +153,7 @@ def _gradient_reachable(
         return types.get(name, TensorProto.FLOAT) in FLOAT_TYPES
 
     needed = {o.name for o in model.graph.output if is_float(o.name)}
+    # A quantized tensor needs a gradient where the float one it dequantizes to does.
     # Walk nodes backwards: a node whose float output needs a gradient passes
     # the need on to its differentiable float inputs.
     passing = _weights.ZERO_DERIVATIVE_OPS if through_zero else ()
@@ -162,8 +163,9 @@ def _gradient_reachable(
         if not any(out in needed for out in node.output):
             continue
         skip = _weights.NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ())
+        straight = node.op_type in _weights.STRAIGHT_THROUGH
         for pos, name in enumerate(node.input):
-            if name and pos not in skip and is_float(name):
+            if name and pos not in skip and (is_float(name) or straight):
                 needed.add(name)
         # A Loop, Scan or If body reads outer tensors without listing them as
         # inputs (nn.EmbeddingBag's weight, read inside its Loop).

@@ -20,6 +20,7 @@ from ._lookup import _all_names, _infer, _unique
 from ._onnx_utils import FLOAT_TYPES, np_dtype
 from ._sequences import sequences_as_tensors
 from ._weights import lift_constant_weights
+from .quantized import lift_quantized_weights
 
 
 def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.ModelProto:
@@ -50,6 +51,9 @@ def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.
       (a sequence of 0 or 1 element stays as it is), but onnxruntime 1.19.2
       leaves a batch entry of length 0 unwritten, uninitialised memory in the
       output and so in its gradient.
+    - Quantized weights (an integer initializer read by ``DequantizeLinear``)
+      become float weights under fake quantization
+      (:func:`.quantized.lift_quantized_weights`).
     - Unnamed nodes get a name.
     - An ai.onnx opset below 13 is converted to 13: the gradient builder
       writes nodes in the forms of recent opsets (a ``Gemm`` without ``C``).
@@ -67,6 +71,7 @@ def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.
     lift_constant_weights(model)
     older_forms_rewritten(model)
     model = _at_least_opset(model, MIN_OPSET)
+    lift_quantized_weights(model)
     model = sequences_as_tensors(model, loops=False)
     replaced = declarations_as_computed(model)
     if wrong_shapes is not None:

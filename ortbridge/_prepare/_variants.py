@@ -25,6 +25,7 @@ from ._lookup import _all_names, _elem_type_of, _infer, _unique
 from ._normalize import normalize
 from ._onnx_utils import np_dtype
 from ._weights import write_constants
+from .quantized import requantized
 
 TRAIN = "train"
 EVAL = "eval"
@@ -163,11 +164,13 @@ def weights_as_inputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelPro
 def with_weights(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
     """A copy of ``model`` whose initializers ``weights`` hold new values.
 
-    A weight the file holds in a ``Constant`` node is written back there.
+    A weight the file holds in a ``Constant`` node is written back there; one
+    it holds quantized is quantized again (:func:`.quantized.requantized`).
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
     write_constants(out, weights)
+    weights = {**weights, **requantized(model, weights)}
     for init in out.graph.initializer:
         if init.name in weights:
             value = np.ascontiguousarray(weights[init.name]).astype(np_dtype(init.data_type))

@@ -74,7 +74,12 @@ NON_DIFFERENTIABLE_SLOTS = {
     "Clip": {1, 2},
     "Trilu": {1},
     "CumSum": {1},
+    "QuantizeLinear": {1, 2},
+    "DequantizeLinear": {1, 2},
 }
+#: Ops a gradient passes straight through (fake quantization, :mod:`.quantized`):
+#: from the float output to the data input, through the integers between.
+STRAIGHT_THROUGH = frozenset({"QuantizeLinear", "DequantizeLinear"})
 # Ops whose outputs carry no gradient at all.
 NON_DIFFERENTIABLE_OPS = frozenset(
     {

@@ -66,6 +66,7 @@ from . import _ad_rewrites_conv as conv
 from ._ad_rewrites_bodies import _inferred, _opset, rewrite_bodies
 from ._ad_rewrites_conv import copy_node, ints
 from ._ad_rewrites_pad import copying_pad
+from ._ad_rewrites_quant import fake_quantize_nodes
 from ._ad_rewrites_slice import strided_slice
 
 REDUCTIONS = frozenset(
@@ -162,7 +163,7 @@ def prepare_for_reverse(model: onnx.ModelProto) -> onnx.ModelProto:
         rewritten.extend([node] if new is None else new)
     del graph.node[:]
     graph.node.extend(rewritten)
-    return _reinferred(model, changed)
+    return fake_quantize_nodes(_reinferred(model, changed))
 
 
 def _shapes_folded(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -41,6 +41,7 @@ from ortbridge._runtime._threads import UNPINNED
 from ortbridge.exceptions import OnnxModelError, OrtBridgeError
 
 from . import _split, _train_ops, passes
+from ._ad_rewrites_quant import quantize_pairs_restored
 from ._reverse_prep import (
     STATIC_HINT,
     bake,
@@ -336,6 +337,7 @@ class _Built:
         seeds = [i.name for i in reverse.graph.input][n_graph_inputs:]
         adjoints = [o.name for o in reverse.graph.output][len(m.graph.output) :]
         fix_seed_axis(reverse)
+        quantize_pairs_restored(reverse)
         passes.run(passes.REVERSE, passes.Graphs(reverse=reverse), static is not None)
         self.reverse = reverse
         primal_outputs = user_outputs + stat_outputs

@@ -38,6 +38,7 @@ import onnx
 
 from ortbridge._prepare._onnx_utils import node_reads
 
+from . import _ad_rewrites_quant
 from ._fold import in_onnx_ad
 from .passes._conv_grad import one_hot_kernels
 
@@ -61,6 +62,8 @@ def own_rules(model: onnx.ModelProto | None = None):
     if added:
         table["QuickGelu"] = rules._elementwise_reverse
         rules.DERIVATIVE["QuickGelu"] = _d_quick_gelu
+    # FakeQuantize (a QuantizeLinear/DequantizeLinear pair, :mod:`._ad_rewrites_quant`).
+    table[_ad_rewrites_quant.OP] = _fake_quantize
     unmasked = _unmasked_softmaxes(model) if model is not None else set()
     for op, original in saved.items():
         wrapper = _WRAPPERS[op]
@@ -74,6 +77,7 @@ def own_rules(model: onnx.ModelProto | None = None):
         table.update(saved)
         if added:
             del table["QuickGelu"], rules.DERIVATIVE["QuickGelu"]
+        del table[_ad_rewrites_quant.OP]
 
 
 def _d_quick_gelu(ctx, node, x, y, dtype):
@@ -84,6 +88,42 @@ def _d_quick_gelu(ctx, node, x, y, dtype):
     s = b.op("Sigmoid", [ax])
     gain = b.op("Mul", [ax, b.op("Sub", [ctx.constant(1.0, dtype), s])])
     return b.op("Mul", [s, b.op("Add", [ctx.constant(1.0, dtype), gain])])
+
+
+def _fake_quantize(ctx, node, grads):
+    """torch's fake quantization: the gradient where ``round(x / scale) +
+    zero_point`` lies in the integer type's range, zero elsewhere; none for
+    the scale and zero point (they stay fixed)."""
+    import numpy as np
+    from onnx import helper
+
+    x, scale, zero = node.input
+    if grads[0] is None:
+        return [None, None, None]
+    b = ctx.b
+    dtype = ctx.dtype(x)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    info = np.iinfo(helper.tensor_dtype_to_np_dtype(attrs["to"]))
+    rank = ctx.rank(x)
+    if ctx.rank(scale) == 1 and rank > 1:  # per axis: along that axis
+        shape = [1] * rank
+        shape[attrs.get("axis", 1) % rank] = -1
+        scale = b.op("Reshape", [scale, b.ints(shape)], stem="fq_scale")
+        if zero:
+            zero = b.op("Reshape", [zero, b.ints(shape)], stem="fq_zero_point")
+    level = b.op("Round", [b.op("Div", [x, b.op("Cast", [scale], to=dtype)])], stem="fq_level")
+    if zero:
+        level = b.op("Add", [level, b.op("Cast", [zero], to=dtype)])
+    inside = b.op(
+        "And",
+        [
+            b.op("GreaterOrEqual", [level, ctx.constant(float(info.min), dtype)]),
+            b.op("LessOrEqual", [level, ctx.constant(float(info.max), dtype)]),
+        ],
+        stem="fq_inside",
+    )
+    mask = b.op("Cast", [inside], to=dtype, stem="fq_mask")
+    return [b.op("Mul", [grads[0], ctx.lift(mask)], stem="a_" + x), None, None]
 
 
 def _softmax(ctx, node, grads, original, unmasked=frozenset()):

@@ -169,6 +169,18 @@ def _allow_zero(node, facts):
     return bool(attr(node, "allowzero", 0)) and shape is not None and bool((shape == 0).any())
 
 
+def _per_axis(node, facts):
+    # The scale is a frozen weight the module feeds: its declared shape tells.
+    shape = facts.shapes.get(node.input[1]) if len(node.input) > 1 else None
+    return shape is not None and any(d is None or d > 1 for d in shape)
+
+
+def _shared_zero_point(node, facts):
+    # One pair reads it twice; a second pair's reads are more.
+    zero = node.input[2] if len(node.input) > 2 else ""
+    return bool(zero) and len(facts.consumers.get(zero, ())) > 2
+
+
 def _always(node, _):
     return True
 
@@ -281,6 +293,16 @@ LIMITS: tuple[Limit, ...] = (
     Limit(
         "reshape-allowzero", ("Reshape",), FAILS, "allowzero=1 and a 0 in a constant shape",
         _allow_zero, "reshape_allowzero_beside_a_weight",
+    ),
+    Limit(
+        "fake-quantize-per-axis", ("QuantizeLinear", "DequantizeLinear"), FAILS,
+        "a scale per axis (the builder's FakeQuant takes one scale)", _per_axis,
+        "per_axis_fake_quantization",
+    ),
+    Limit(
+        "fake-quantize-shared-zero-point", ("QuantizeLinear", "DequantizeLinear"), FAILS,
+        "a zero point another pair reads too (the builder's QDQ fusion removes it with the "
+        "first pair)", _shared_zero_point, "shared_zero_point_fake_quantization",
     ),
     Limit(
         "reduce-l2-opset17", ("ReduceL2",), FAILS, "an ai.onnx opset below 18",

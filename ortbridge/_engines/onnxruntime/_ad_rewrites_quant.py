@@ -1,0 +1,121 @@
+"""QuantizeLinear/DequantizeLinear pairs differentiated as torch's fake quantization.
+
+onnx-ad gives ``QuantizeLinear`` a zero derivative and follows no gradient
+into an integer tensor: nothing before a pair gets one. torch's
+``fake_quantize_per_tensor_affine`` / ``..._per_channel_affine`` pass the
+gradient straight through where ``round(x / scale) + zero_point`` lies in
+the integer type's range, and give zero outside it.
+
+:func:`fake_quantize_nodes` (the last rewrite before onnx-ad) writes each
+pair as one node, ``FakeQuantize`` of a private domain, whose output keeps
+the pair's declared type and shape; :func:`._rules.own_rules` gives it that
+rule; :func:`quantize_pairs_restored` writes the pair back in the reverse
+model before anything runs it, so onnxruntime computes the forward exactly
+as the file does.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+from ortbridge._prepare._lookup import _infer
+
+DOMAIN = "ai.ortbridge.training"
+OP = "FakeQuantize"
+_STANDARD = ("", "ai.onnx")
+
+
+def _is(node: onnx.NodeProto, op: str) -> bool:
+    return node.op_type == op and node.domain in _STANDARD
+
+
+def _settings(node: onnx.NodeProto) -> tuple:
+    zero = node.input[2] if len(node.input) > 2 else ""
+    attrs = tuple(sorted((a.name, helper.get_attribute_value(a)) for a in node.attribute))
+    return node.input[1], zero, attrs
+
+
+def fake_quantize_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Each ``DequantizeLinear`` reading a ``QuantizeLinear`` of the same scale,
+    zero point and attributes as one ``FakeQuantize`` node; in place, returned.
+
+    The ``QuantizeLinear`` goes where nothing else reads it.
+    """
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    pairs = {}
+    for node in graph.node:
+        if not _is(node, "DequantizeLinear"):
+            continue
+        quantize = producer.get(node.input[0])
+        if quantize is not None and _is(quantize, "QuantizeLinear"):
+            if _settings(quantize) == _settings(node):
+                pairs[id(node)] = quantize
+    if not pairs:
+        return model
+    types, shapes = _infer(model)
+    declared = {vi.name for vi in graph.value_info}
+    nodes = []
+    for node in graph.node:
+        quantize = pairs.get(id(node))
+        if quantize is None:
+            nodes.append(node)
+            continue
+        scale, zero, _ = _settings(node)
+        held = types.get(quantize.output[0], TensorProto.UINT8 if not zero else None)
+        if held is None:
+            nodes.append(node)
+            continue
+        fake = helper.make_node(
+            OP,
+            [quantize.input[0], scale, zero],
+            [node.output[0]],
+            node.name,
+            domain=DOMAIN,
+            to=held,
+            axis=next((a.i for a in node.attribute if a.name == "axis"), 1),
+        )
+        fake.attribute.extend(a for a in quantize.attribute if a.name == "saturate")
+        nodes.append(fake)
+        out = node.output[0]
+        if out not in declared and out in types:
+            graph.value_info.append(helper.make_tensor_value_info(out, types[out], shapes.get(out)))
+    read = {name for node in nodes for name in node.input} | {o.name for o in graph.output}
+    kept = [n for n in nodes if not (_is(n, "QuantizeLinear") and n.output[0] not in read)]
+    del graph.node[:]
+    graph.node.extend(kept)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
+
+
+def quantize_pairs_restored(model: onnx.ModelProto) -> None:
+    """Every ``FakeQuantize`` node written back as the file's pair, in place."""
+    graph = model.graph
+    if not any(n.op_type == OP and n.domain == DOMAIN for n in graph.node):
+        return
+    nodes = []
+    for node in graph.node:
+        if node.op_type != OP or node.domain != DOMAIN:
+            nodes.append(node)
+            continue
+        x, scale, zero = node.input
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        kept = {"axis": attrs["axis"]} if "axis" in attrs else {}
+        held = f"{node.output[0]}__quantized"
+        q_attrs = dict(kept, **({"saturate": attrs["saturate"]} if "saturate" in attrs else {}))
+        inputs = [scale, zero] if zero else [scale]
+        nodes.append(
+            helper.make_node("QuantizeLinear", [x, *inputs], [held], f"{node.name}_q", **q_attrs)
+        )
+        nodes.append(
+            helper.make_node(
+                "DequantizeLinear", [held, *inputs], [node.output[0]], node.name, **kept
+            )
+        )
+    del graph.node[:]
+    graph.node.extend(nodes)
+    kept_opsets = [o for o in model.opset_import if o.domain != DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(kept_opsets)

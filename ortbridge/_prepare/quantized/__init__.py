@@ -1,0 +1,14 @@
+"""Quantized files (onnxruntime's quantizer's forms) read as float weights under fake quantization.
+
+In: a model whose weights are integers, in QDQ form (``DequantizeLinear`` of
+an int8 initializer) or QOperator form (``QLinearConv``, ``QLinearMatMul``,
+com.microsoft ``QGemm`` ...). Out: the same model with those weights as float
+initializers of the same names, read under ``QuantizeLinear`` /
+``DequantizeLinear`` pairs (:func:`lift_quantized_weights`, run by
+:func:`.._normalize.normalize`), and the integers trained float weights are
+saved as (:func:`requantized`, read by :func:`.._variants.with_weights`).
+"""
+
+from ._lift import QuantizedWeight, lift_quantized_weights, quantized_weights, requantized
+
+__all__ = ["QuantizedWeight", "lift_quantized_weights", "quantized_weights", "requantized"]

@@ -1,0 +1,207 @@
+"""Quantized weights as float weights under fake quantization, and back.
+
+A file onnxruntime's quantizer wrote in QDQ form holds each weight as an
+integer initializer read by a ``DequantizeLinear`` (int8 or uint8, a scale
+and a zero point per tensor or per output channel) and each bias as int32
+with the scale ``input_scale * weight_scale``; activations pass through
+``QuantizeLinear``/``DequantizeLinear`` pairs. Nothing there is a float
+weight: a gradient reaches no initializer.
+
+:func:`lift_quantized_weights` (in :func:`._normalize.normalize`) makes each
+such weight a float initializer of the same name holding its dequantized
+value, read by a ``QuantizeLinear`` then the file's ``DequantizeLinear``:
+torch's fake quantization (``torch.fake_quantize_per_channel_affine``), whose
+values at the start equal the file's exactly (a dequantized value divided by
+its scale rounds back to the integer it came from). A bias becomes its float
+value, read directly (no quantization of int32 exists to fake; its step,
+``input_scale * weight_scale``, is far below the weights'). The gradient goes
+straight through each pair inside the clipping range and is zero outside it
+(the engines' rules; scales and zero points stay fixed).
+
+:func:`requantized` gives the integer values a float weight is saved as, for
+:func:`.._variants.with_weights`: the file comes back in its own form, the
+same nodes, scales and zero points, new integers. QOperator nodes
+(``QLinearConv`` ...) are read as the pairs they compute (:mod:`._qoperators`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .._lookup import _all_names, _unique
+from ._qoperators import has_qoperators, qoperators_as_pairs
+
+_STANDARD = ("", "ai.onnx")
+#: Integer types a ``QuantizeLinear`` writes, by the lowest ai.onnx opset that has it.
+_QUANTIZABLE = {
+    TensorProto.INT8: 10,
+    TensorProto.UINT8: 10,
+    TensorProto.INT16: 21,
+    TensorProto.UINT16: 21,
+}
+#: Types whose weights train as float without a quantization pair (biases).
+_UNPAIRED = frozenset({TensorProto.INT32})
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """How an integer initializer of the file is dequantized."""
+
+    name: str
+    elem_type: int
+    scale: np.ndarray
+    zero_point: np.ndarray
+    axis: int
+    #: Whether the float weight trains under fake quantization (else plain float).
+    paired: bool
+
+    @property
+    def limits(self) -> tuple[int, int]:
+        info = np.iinfo(helper.tensor_dtype_to_np_dtype(self.elem_type))
+        return int(info.min), int(info.max)
+
+    def _broadcast(self, value: np.ndarray, rank: int) -> np.ndarray:
+        if value.ndim == 0 or rank == 0:
+            return value
+        shape = [1] * rank
+        shape[self.axis % rank] = -1
+        return value.reshape(shape)
+
+    def dequantized(self, q: np.ndarray) -> np.ndarray:
+        """What the file's ``DequantizeLinear`` computes from ``q`` (float32 arithmetic)."""
+        scale = self._broadcast(self.scale, q.ndim)
+        zero = self._broadcast(self.zero_point.astype(np.int64), q.ndim)
+        return ((q.astype(np.int64) - zero).astype(np.float32) * scale).astype(self.scale.dtype)
+
+    def quantized(self, value: np.ndarray) -> np.ndarray:
+        """``value`` rounded to the file's integers (half to even, saturated), as
+        ``QuantizeLinear`` rounds; a bias's int32 likewise."""
+        value = np.asarray(value, np.float32)
+        scale = self._broadcast(self.scale.astype(np.float32), value.ndim)
+        zero = self._broadcast(self.zero_point.astype(np.float64), value.ndim)
+        q = np.rint(value / scale).astype(np.float64) + zero
+        low, high = self.limits
+        return np.clip(q, low, high).astype(helper.tensor_dtype_to_np_dtype(self.elem_type))
+
+
+def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
+    """The integer initializers of the main graph that train as float weights.
+
+    One qualifies where every node reading it is a standard
+    ``DequantizeLinear`` reading it as its data, with one scale and zero
+    point given as initializers (per tensor or per axis, no blocks): int8,
+    uint8 (int16, uint16 from opset 21) under fake quantization, int32
+    unpaired.
+    """
+    if has_qoperators(model):  # read as the pairs they compute
+        model = _copy(model)
+        qoperators_as_pairs(model)
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    opset = next((o.version for o in model.opset_import if o.domain in _STANDARD), 1)
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in graph.node:
+        for slot, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node, slot))
+    outputs = {o.name for o in graph.output}
+    found = {}
+    for name, init in inits.items():
+        kind = init.data_type
+        if name in outputs or not (kind in _UNPAIRED or opset >= _QUANTIZABLE.get(kind, 10**6)):
+            continue
+        uses = readers.get(name, [])
+        if not uses or any(
+            node.op_type != "DequantizeLinear" or node.domain not in _STANDARD or slot != 0
+            for node, slot in uses
+        ):
+            continue
+        params = {_params(node, inits) for node, _ in uses}
+        if len(params) != 1 or None in params:
+            continue
+        scale_name, zero_name, axis = params.pop()
+        scale = numpy_helper.to_array(inits[scale_name])
+        if zero_name:
+            zero = numpy_helper.to_array(inits[zero_name])
+        else:
+            zero = np.zeros(scale.shape, helper.tensor_dtype_to_np_dtype(kind))
+        if scale.ndim > 1 or zero.size != scale.size or not np.all(scale > 0):
+            continue
+        zero = zero.reshape(scale.shape)
+        found[name] = QuantizedWeight(name, kind, scale, zero, axis, kind not in _UNPAIRED)
+    return found
+
+
+def _params(node: onnx.NodeProto, inits) -> tuple[str, str, int] | None:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("block_size", 0):
+        return None
+    scale = node.input[1]
+    zero = node.input[2] if len(node.input) > 2 else ""
+    if scale not in inits or (zero and zero not in inits):
+        return None
+    return scale, zero, int(attrs.get("axis", 1))
+
+
+def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
+    """Make the integer weights of :func:`quantized_weights` float initializers, in place.
+
+    Each keeps its name and holds its dequantized value. Its readers (the
+    file's ``DequantizeLinear`` nodes) read a ``QuantizeLinear`` of it with
+    the same scale, zero point (of the file's integer type) and axis; an
+    int32 bias's readers become an ``Identity``. Returns the names lifted.
+    """
+    qoperators_as_pairs(model)
+    found = quantized_weights(model)
+    if not found:
+        return []
+    graph = model.graph
+    taken = _all_names(graph)
+    for init in graph.initializer:
+        record = found.get(init.name)
+        if record is not None:
+            value = record.dequantized(numpy_helper.to_array(init))
+            init.CopyFrom(numpy_helper.from_array(value, init.name))
+    nodes = []
+    for node in graph.node:
+        record = found.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        if record is None:
+            nodes.append(node)
+            continue
+        if not record.paired:
+            nodes.append(helper.make_node("Identity", [record.name], [node.output[0]], node.name))
+            continue
+        zero = node.input[2] if len(node.input) > 2 and node.input[2] else ""
+        if not zero:  # without one, QuantizeLinear would write uint8
+            zero = _unique(f"{record.name}_zero_point", taken)
+            graph.initializer.append(numpy_helper.from_array(record.zero_point, zero))
+            del node.input[2:]
+            node.input.append(zero)
+        held = _unique(f"{record.name}_fake_quantized", taken)
+        quantize = helper.make_node(
+            "QuantizeLinear",
+            [record.name, node.input[1], zero],
+            [held],
+            _unique(f"{node.name or record.name}_quantize", taken),
+            **({"axis": record.axis} if record.scale.ndim else {}),
+        )
+        node.input[0] = held
+        nodes.extend([quantize, node])
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return sorted(found)
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
+def requantized(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The integers ``model``'s quantized initializers among ``weights`` are saved as."""
+    found = quantized_weights(model)
+    return {name: found[name].quantized(v) for name, v in weights.items() if name in found}

@@ -1,0 +1,153 @@
+"""Quantized files written by onnxruntime's quantizer, and torch's fake quantization of them.
+
+:func:`quantized_file` quantizes a float file with onnxruntime's
+``quantize_static`` (a tool nobody here wrote), calibrated on fixed random
+batches. :class:`FakeQuantized` is the reference: the same file run by torch
+op by op, each weight a float tensor holding its dequantized value, each
+``QuantizeLinear``/``DequantizeLinear`` pair ``torch.fake_quantize_per_tensor_affine``
+or ``..._per_channel_affine``, each int32 bias its float value; torch's
+autograd gives the gradients (straight through inside the range, as torch's
+quantization-aware training defines them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from onnx import helper, numpy_helper
+
+
+def quantized_file(
+    source: str, target: str, feeds, *, fmt: str = "QDQ", per_channel: bool = False,
+    activations: str = "QUInt8", weights: str = "QInt8",
+) -> str:  # fmt: skip
+    """``source`` quantized by onnxruntime's ``quantize_static`` into ``target``."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    class _Batches(CalibrationDataReader):
+        def __init__(self):
+            self._left = iter(feeds)
+
+        def get_next(self):
+            return next(self._left, None)
+
+    quantize_static(
+        source, target, _Batches(), quant_format=getattr(QuantFormat, fmt),
+        per_channel=per_channel, activation_type=getattr(QuantType, activations),
+        weight_type=getattr(QuantType, weights),
+    )  # fmt: skip
+    assert os.path.exists(target)
+    return target
+
+
+def _attrs(node):
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+class FakeQuantized(torch.nn.Module):
+    """A QDQ file as torch computes it under fake quantization (see the module)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        model = onnx.load(path)
+        self.graph = model.graph
+        self.consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+        self.weights = torch.nn.ParameterDict()
+        self._names = {}
+        for node in self.graph.node:
+            if node.op_type == "DequantizeLinear" and node.input[0] in self.consts:
+                scale, zero = self._params(node)
+                q = self.consts[node.input[0]].astype(np.int64)
+                value = self._along(scale, q.ndim, node) * (
+                    q - self._along(zero, q.ndim, node)
+                ).astype(np.float32)
+                key = f"w{len(self._names)}"
+                self._names[node.input[0]] = key
+                self.weights[key] = torch.nn.Parameter(torch.from_numpy(value.astype(np.float32)))
+
+    def parameter(self, onnx_name: str) -> torch.nn.Parameter:
+        return self.weights[self._names[onnx_name]]
+
+    def _params(self, node):
+        scale = self.consts[node.input[1]]
+        zero = self.consts[node.input[2]] if len(node.input) > 2 else np.zeros_like(scale, np.uint8)
+        return scale, zero
+
+    @staticmethod
+    def _along(value, rank, node):
+        if value.size == 1 or rank == 0:
+            return value.reshape(())
+        shape = [1] * rank
+        shape[_attrs(node).get("axis", 1) % rank] = -1
+        return value.reshape(shape)
+
+    def _fake(self, x, node):
+        scale, zero = self._params(node)
+        info = np.iinfo(zero.dtype)
+        if scale.size == 1:
+            return torch.fake_quantize_per_tensor_affine(
+                x, float(scale.reshape(())), int(zero.reshape(())), int(info.min), int(info.max)
+            )
+        return torch.fake_quantize_per_channel_affine(
+            x, torch.from_numpy(scale.astype(np.float32)),
+            torch.from_numpy(zero.astype(np.int32)), _attrs(node).get("axis", 1) % x.dim(),
+            int(info.min), int(info.max),
+        )  # fmt: skip
+
+    def forward(self, *inputs):
+        env = {i.name: x for i, x in zip(self.graph.input, inputs)}
+        held = {}  # QuantizeLinear outputs: the float tensor they quantize
+        for node in self.graph.node:
+            op, a, ins = node.op_type, _attrs(node), node.input
+            if op == "QuantizeLinear":
+                held[node.output[0]] = env[ins[0]]
+                continue
+            if op == "DequantizeLinear":
+                if ins[0] in self._names:
+                    w = self.parameter(ins[0])
+                    is_bias = self.consts[ins[0]].dtype == np.int32
+                    env[node.output[0]] = w if is_bias else self._fake(w, node)
+                else:
+                    env[node.output[0]] = self._fake(held[ins[0]], node)
+                continue
+            x = [env[n] if n in env else torch.from_numpy(self.consts[n]) for n in ins if n]
+            env[node.output[0]] = self._run(op, a, x)
+        return tuple(env[o.name] for o in self.graph.output)
+
+    @staticmethod
+    def _run(op, a, x):
+        if op == "Conv":
+            pads = a.get("pads", [0] * (2 * (x[0].dim() - 2)))
+            conv = F.conv1d if x[0].dim() == 3 else F.conv2d
+            return conv(
+                x[0],
+                x[1],
+                x[2] if len(x) > 2 else None,
+                a.get("strides", 1),
+                pads[: len(pads) // 2],
+                a.get("dilations", 1),
+                a.get("group", 1),
+            )
+        if op == "Gemm":
+            w = x[1].t() if a.get("transB", 0) else x[1]
+            y = (x[0].t() if a.get("transA", 0) else x[0]) @ w
+            return y + x[2] if len(x) > 2 else y
+        if op == "ReduceMean":
+            return x[0].mean(tuple(a["axes"]), keepdim=bool(a.get("keepdims", 1)))
+        simple = {
+            "Relu": lambda: torch.relu(x[0]), "Add": lambda: x[0] + x[1],
+            "Mul": lambda: x[0] * x[1], "MatMul": lambda: x[0] @ x[1],
+            "Sigmoid": lambda: torch.sigmoid(x[0]), "Flatten": lambda: x[0].flatten(1),
+            "GlobalAveragePool": lambda: x[0].mean((2, 3), keepdim=True),
+            "MaxPool": lambda: F.max_pool2d(x[0], a["kernel_shape"], a.get("strides")),
+        }  # fmt: skip
+        return simple[op]()
