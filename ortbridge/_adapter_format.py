@@ -23,6 +23,7 @@ from onnx import helper, numpy_helper
 from torch.nn.utils import parametrize
 
 from ._prepare import with_weights
+from ._prepare.quantized import quantized_weights
 from ._runtime import _ort
 from .exceptions import MissingDependencyError, OnnxInputError
 
@@ -58,6 +59,16 @@ def base_model(layer) -> onnx.ModelProto:
         raise OnnxInputError(
             "the layer has no LowRank update: call ortbridge.lora() on it first, or ship "
             "to_onnx()'s file"
+        )
+    held = sorted(set(updates) & set(quantized_weights(layer._original)))
+    if held:
+        # The module rounds W + B @ A to the file's integers; an adapter file
+        # would add B @ A unrounded to the rounded W: another function.
+        raise OnnxInputError(
+            f"weight {held[0]!r} is quantized in the file ({len(held)} adapted weights are): "
+            "its update trains under the file's fake quantization, which an adapter beside "
+            "the int8 weight does not compute; ship save()'s merged int8 file, or "
+            "save(path, quantized=False)'s float model"
         )
     model = with_weights(
         layer.to_onnx(),

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ._prepare._weights import product_weights
+from ._prepare.quantized import lift_quantized_weights
 
 __all__ = ["LowRank", "lora", "save_adapters"]
 
@@ -106,7 +107,7 @@ def lora(
         if freeze:
             for _, param in layer.named_onnx_parameters():
                 param.requires_grad_(False)
-        for name in sorted(product_weights(layer._original)):
+        for name in sorted(product_weights(_lifted(layer._original))):
             if patterns and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
                 continue
             if name not in layer._onnx_names:
@@ -127,6 +128,16 @@ def lora(
             else "no MatMul, Gemm or Conv reads a weight of the module's graphs"
         )
     return adapters
+
+
+def _lifted(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its quantized weights as the float weights the module trains
+    (the update then goes on the float weight, under the file's fake
+    quantization, and is saved merged and rounded to the file's integers)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    lift_quantized_weights(copy)
+    return copy
 
 
 def save_adapters(

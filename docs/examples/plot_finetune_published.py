@@ -32,6 +32,7 @@ import onnxruntime as ort
 import torch
 
 import ortbridge
+from ortbridge import examples
 from ortbridge.examples import published_file
 
 path = published_file("rapidocr", "3.10.0", "rapidocr/models/ch_ppocr_mobile_v2.0_cls_mobile.onnx")
@@ -46,26 +47,13 @@ print(classifier)
 #
 # Grey glyphs of random widths standing on a baseline, some with ascenders,
 # dots or descenders, on a 48 x 96 line; half the lines are turned by 180
-# degrees (label 1). The classifier takes three channels scaled to [-1, 1].
+# degrees (label 1). The classifier takes three channels scaled to [-1, 1]
+# (:func:`ortbridge.examples.text_lines` draws them).
 
 
 def text_lines(n, rng):
-    images = np.ones((n, 48, 96), np.float32)
-    for image in images:
-        x = 4
-        while x < 88:
-            width, height = rng.integers(3, 8), rng.integers(10, 18)
-            top = 34 - height - (rng.integers(6, 12) if rng.random() < 0.3 else 0)
-            image[top:34, x : x + width] = rng.uniform(0.0, 0.3)
-            if rng.random() < 0.2:
-                image[top - 5 : top - 2, x : x + 2] = 0.1  # a dot
-            if rng.random() < 0.15:
-                image[34:42, x : x + 2] = 0.2  # a descender
-            x += width + rng.integers(2, 5)
-    labels = rng.integers(0, 2, n)
-    images[labels == 1] = images[labels == 1][:, ::-1, ::-1]
-    scaled = np.repeat(((images - 0.5) / 0.5)[:, None], 3, axis=1)
-    return torch.from_numpy(np.ascontiguousarray(scaled)), torch.from_numpy(labels)
+    images, labels = examples.text_lines(n, rng)  # the lines, as numpy arrays
+    return torch.from_numpy(images), torch.from_numpy(labels)
 
 
 rng = np.random.default_rng(0)

@@ -125,7 +125,8 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
         "activation_pairs": sum(
             1
             for n in model.graph.node
-            if n.op_type == "QuantizeLinear" and n.input[0] not in quantized
+            if n.op_type in ("QuantizeLinear", "DynamicQuantizeLinear")
+            and n.input[0] not in quantized
         ),
     }
     info["check"] = None

@@ -79,7 +79,7 @@ NON_DIFFERENTIABLE_SLOTS = {
 }
 #: Ops a gradient passes straight through (fake quantization, :mod:`.quantized`):
 #: from the float output to the data input, through the integers between.
-STRAIGHT_THROUGH = frozenset({"QuantizeLinear", "DequantizeLinear"})
+STRAIGHT_THROUGH = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
 # Ops whose outputs carry no gradient at all.
 NON_DIFFERENTIABLE_OPS = frozenset(
     {
@@ -339,7 +339,8 @@ def product_weights(model: onnx.ModelProto) -> set[str]:
     Linear weights): where low-rank adapters go (:func:`ortbridge.adapters.lora`)."""
     graph = model.graph
     floats = {i.name for i in graph.initializer if i.data_type in FLOAT_TYPES}
-    through = _PASS_THROUGH | {"Transpose"}
+    # A quantized weight (lifted, :mod:`.quantized`) reaches its product through its pair.
+    through = _PASS_THROUGH | {"Transpose"} | STRAIGHT_THROUGH
     source = {name: name for name in floats}  # tensor -> the initializer it passes on
     found = set()
     for node in graph.node:

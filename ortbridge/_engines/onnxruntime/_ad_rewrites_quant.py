@@ -4,7 +4,9 @@ onnx-ad gives ``QuantizeLinear`` a zero derivative and follows no gradient
 into an integer tensor: nothing before a pair gets one. torch's
 ``fake_quantize_per_tensor_affine`` / ``..._per_channel_affine`` pass the
 gradient straight through where ``round(x / scale) + zero_point`` lies in
-the integer type's range, and give zero outside it.
+the integer type's range, and give zero outside it. A ``DynamicQuantizeLinear``
+read by a ``DequantizeLinear`` (its range is the tensor's own: nothing is
+clipped) passes it straight through everywhere.
 
 :func:`fake_quantize_nodes` (the last rewrite before onnx-ad) writes each
 pair as one node, ``FakeQuantize`` of a private domain, whose output keeps
@@ -52,6 +54,9 @@ def fake_quantize_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
         if quantize is not None and _is(quantize, "QuantizeLinear"):
             if _settings(quantize) == _settings(node):
                 pairs[id(node)] = quantize
+        elif quantize is not None and _is(quantize, "DynamicQuantizeLinear"):
+            if list(node.input) == list(quantize.output):
+                pairs[id(node)] = quantize
     if not pairs:
         return model
     types, shapes = _infer(model)
@@ -61,6 +66,14 @@ def fake_quantize_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
         quantize = pairs.get(id(node))
         if quantize is None:
             nodes.append(node)
+            continue
+        if quantize.op_type == "DynamicQuantizeLinear":
+            nodes.append(
+                helper.make_node(
+                    OP, [quantize.input[0]], [node.output[0]], node.name, domain=DOMAIN, dynamic=1
+                )
+            )
+            _declare(graph, node.output[0], types, shapes, declared)
             continue
         scale, zero, _ = _settings(node)
         held = types.get(quantize.output[0], TensorProto.UINT8 if not zero else None)
@@ -78,16 +91,27 @@ def fake_quantize_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
         )
         fake.attribute.extend(a for a in quantize.attribute if a.name == "saturate")
         nodes.append(fake)
-        out = node.output[0]
-        if out not in declared and out in types:
-            graph.value_info.append(helper.make_tensor_value_info(out, types[out], shapes.get(out)))
+        _declare(graph, node.output[0], types, shapes, declared)
     read = {name for node in nodes for name in node.input} | {o.name for o in graph.output}
-    kept = [n for n in nodes if not (_is(n, "QuantizeLinear") and n.output[0] not in read)]
+    kept = [
+        n
+        for n in nodes
+        if not (
+            (_is(n, "QuantizeLinear") or _is(n, "DynamicQuantizeLinear"))
+            and not any(o in read for o in n.output)
+        )
+    ]
     del graph.node[:]
     graph.node.extend(kept)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model
+
+
+def _declare(graph, out, types, shapes, declared) -> None:
+    # onnx's shape inference cannot see through the private node.
+    if out not in declared and out in types:
+        graph.value_info.append(helper.make_tensor_value_info(out, types[out], shapes.get(out)))
 
 
 def quantize_pairs_restored(model: onnx.ModelProto) -> None:
@@ -100,8 +124,15 @@ def quantize_pairs_restored(model: onnx.ModelProto) -> None:
         if node.op_type != OP or node.domain != DOMAIN:
             nodes.append(node)
             continue
-        x, scale, zero = node.input
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("dynamic"):
+            q, s, z = (f"{node.output[0]}__{part}" for part in ("quantized", "scale", "zero"))
+            nodes.append(
+                helper.make_node("DynamicQuantizeLinear", node.input, [q, s, z], f"{node.name}_q")
+            )
+            nodes.append(helper.make_node("DequantizeLinear", [q, s, z], node.output, node.name))
+            continue
+        x, scale, zero = node.input
         kept = {"axis": attrs["axis"]} if "axis" in attrs else {}
         held = f"{node.output[0]}__quantized"
         q_attrs = dict(kept, **({"saturate": attrs["saturate"]} if "saturate" in attrs else {}))

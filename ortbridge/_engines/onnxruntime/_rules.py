@@ -97,12 +97,12 @@ def _fake_quantize(ctx, node, grads):
     import numpy as np
     from onnx import helper
 
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if grads[0] is None or attrs.get("dynamic"):  # a dynamic range clips nothing
+        return [grads[0]] + [None] * (len(node.input) - 1)
     x, scale, zero = node.input
-    if grads[0] is None:
-        return [None, None, None]
     b = ctx.b
     dtype = ctx.dtype(x)
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     info = np.iinfo(helper.tensor_dtype_to_np_dtype(attrs["to"]))
     rank = ctx.rank(x)
     if ctx.rank(scale) == 1 and rank > 1:  # per axis: along that axis

@@ -6,9 +6,17 @@ com.microsoft ``QGemm`` ...). Out: the same model with those weights as float
 initializers of the same names, read under ``QuantizeLinear`` /
 ``DequantizeLinear`` pairs (:func:`lift_quantized_weights`, run by
 :func:`.._normalize.normalize`), and the integers trained float weights are
-saved as (:func:`requantized`, read by :func:`.._variants.with_weights`).
+saved as (:func:`requantized`, read by :func:`.._variants.with_weights`), or
+the float model without the quantization (:func:`float_model`).
 """
 
+from ._float import float_model
 from ._lift import QuantizedWeight, lift_quantized_weights, quantized_weights, requantized
 
-__all__ = ["QuantizedWeight", "lift_quantized_weights", "quantized_weights", "requantized"]
+__all__ = [
+    "QuantizedWeight",
+    "float_model",
+    "lift_quantized_weights",
+    "quantized_weights",
+    "requantized",
+]

@@ -21,7 +21,10 @@ straight through each pair inside the clipping range and is zero outside it
 :func:`requantized` gives the integer values a float weight is saved as, for
 :func:`.._variants.with_weights`: the file comes back in its own form, the
 same nodes, scales and zero points, new integers. QOperator nodes
-(``QLinearConv`` ...) are read as the pairs they compute (:mod:`._qoperators`).
+(``QLinearConv`` ...) are read as the pairs they compute (:mod:`._qoperators`),
+weight-only files' ``Mul(Cast(q), scale)`` as a ``DequantizeLinear``
+(:mod:`._weight_only`), dynamically quantized ``MatMulInteger`` and
+``ConvInteger`` as float ops between pairs (:mod:`._dynamic`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .._lookup import _all_names, _unique
+from ._dynamic import dynamic_as_pairs, has_dynamic
 from ._qoperators import has_qoperators, qoperators_as_pairs
+from ._weight_only import has_weight_only, weight_only_as_dequantize
 
 _STANDARD = ("", "ai.onnx")
 #: Integer types a ``QuantizeLinear`` writes, by the lowest ai.onnx opset that has it.
@@ -97,9 +102,9 @@ def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
     uint8 (int16, uint16 from opset 21) under fake quantization, int32
     unpaired.
     """
-    if has_qoperators(model):  # read as the pairs they compute
+    if has_qoperators(model) or has_weight_only(model) or has_dynamic(model):  # as QDQ
         model = _copy(model)
-        qoperators_as_pairs(model)
+        _as_qdq(model)
     graph = model.graph
     inits = {init.name: init for init in graph.initializer}
     opset = next((o.version for o in model.opset_import if o.domain in _STANDARD), 1)
@@ -154,7 +159,7 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
     the same scale, zero point (of the file's integer type) and axis; an
     int32 bias's readers become an ``Identity``. Returns the names lifted.
     """
-    qoperators_as_pairs(model)
+    _as_qdq(model)
     found = quantized_weights(model)
     if not found:
         return []
@@ -193,6 +198,12 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
     del graph.node[:]
     graph.node.extend(nodes)
     return sorted(found)
+
+
+def _as_qdq(model: onnx.ModelProto) -> None:
+    weight_only_as_dequantize(model)
+    dynamic_as_pairs(model)
+    qoperators_as_pairs(model)
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -1,0 +1,100 @@
+"""Dynamically quantized files: ``MatMulInteger`` / ``ConvInteger`` read as float ops between pairs.
+
+onnxruntime's ``quantize_dynamic`` keeps int8 weights and quantizes each
+activation at run time (``DynamicQuantizeLinear``: a uint8 scale and zero
+point from the tensor's range); the integer product is cast to float and
+multiplied by ``activation_scale * weight_scale``. :func:`dynamic_as_pairs`
+writes each ``*Integer`` node, its ``Cast`` and that ``Mul`` as the float op
+of the ``DequantizeLinear`` of both operands (the activation's reading the
+``DynamicQuantizeLinear``'s scale and zero point): the same product, summed
+in float32 rather than in int32 (an output differs by float rounding). Then
+:mod:`._lift` trains the weights under fake quantization; the activations'
+dynamic pairs pass the gradient straight through (their range is the
+tensor's own: nothing is clipped). A saved file keeps the integer nodes.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper, numpy_helper
+
+from .._lookup import _all_names, _unique
+
+_STANDARD = ("", "ai.onnx")
+_FLOAT_OPS = {"MatMulInteger": "MatMul", "ConvInteger": "Conv"}
+
+
+def _matches(model: onnx.ModelProto):
+    """(integer node, its Cast, its Mul, the activation's DynamicQuantizeLinear,
+    the weight scale's name) for each node written exactly."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    for node in graph.node:
+        if node.op_type not in _FLOAT_OPS or node.domain not in _STANDARD:
+            continue
+        dynamic = producer.get(node.input[0])
+        if dynamic is None or dynamic.op_type != "DynamicQuantizeLinear":
+            continue
+        if node.input[1] not in inits or (len(node.input) > 3 and node.input[3] not in inits):
+            continue
+        cast = _only_reader(readers, node.output[0], "Cast")
+        mul = _only_reader(readers, cast.output[0], "Mul") if cast is not None else None
+        if mul is None:
+            continue
+        scales = producer.get(next((i for i in mul.input if i != cast.output[0]), ""))
+        if scales is None or scales.op_type != "Mul" or dynamic.output[1] not in scales.input:
+            continue
+        weight_scale = next((i for i in scales.input if i != dynamic.output[1]), "")
+        scale = inits.get(weight_scale)
+        if scale is None or (len(scale.dims) and int(numpy_helper.to_array(scale).size) > 1):
+            continue  # one scale a weight: what quantize_dynamic writes by default
+        yield node, cast, mul, dynamic, weight_scale
+
+
+def _only_reader(readers, name, op_type):
+    users = readers.get(name, [])
+    if len(users) == 1 and users[0].op_type == op_type and users[0].domain in _STANDARD:
+        return users[0]
+    return None
+
+
+def has_dynamic(model: onnx.ModelProto) -> bool:
+    return next(_matches(model), None) is not None
+
+
+def dynamic_as_pairs(model: onnx.ModelProto) -> None:
+    """Each matched ``*Integer`` node as its float op between pairs, in place."""
+    found = list(_matches(model))
+    if not found:
+        return
+    graph = model.graph
+    taken = _all_names(graph)
+    dropped, replaced = set(), {}
+    for node, cast, mul, dynamic, weight_scale in found:
+        base = node.name or node.output[0]
+        a, w = _unique(f"{base}/a_dequantized", taken), _unique(f"{base}/w_dequantized", taken)
+        a_inputs = [node.input[0], dynamic.output[1]] + (
+            [node.input[2]] if len(node.input) > 2 and node.input[2] else []
+        )
+        w_inputs = [node.input[1], weight_scale] + (
+            [node.input[3]] if len(node.input) > 3 and node.input[3] else []
+        )
+        attrs = {a_.name: helper.get_attribute_value(a_) for a_ in node.attribute}
+        replaced[id(node)] = [
+            helper.make_node("DequantizeLinear", a_inputs, [a], a),
+            helper.make_node("DequantizeLinear", w_inputs, [w], w),
+            helper.make_node(_FLOAT_OPS[node.op_type], [a, w], [mul.output[0]], base, **attrs),
+        ]
+        dropped.update({id(cast), id(mul)})
+    nodes = []
+    for n in graph.node:
+        if id(n) in dropped:
+            continue
+        nodes.extend(replaced.get(id(n), [n]))
+    del graph.node[:]
+    graph.node.extend(nodes)
