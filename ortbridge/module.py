@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from ._call_checks import (
 from ._function import function_name, make_function
 from ._module_weights import attribute_path, choose_trainable, fetch, weights_repr
 from ._prepare._call_ranks import CallShapesNeeded
+from ._prepare._onnx_utils import ancestors, node_reads
 from ._prepare.quantized import float_model
 from .exceptions import NotDifferentiableError, OnnxInputError
 
@@ -58,6 +60,28 @@ def _is_fake(args, kwargs) -> bool:
         if type(t) is not torch.Tensor and isinstance(t, torch.Tensor) and is_fake(t):
             return True
     return False
+
+
+def _before(exc: NotDifferentiableError, chosen: set[str], model: onnx.ModelProto) -> set[str]:
+    """The weights among ``chosen`` that the node ``exc`` refuses reads, directly
+    or through the nodes before it: their gradient would cross it."""
+    node = next((n for n in model.graph.node if exc.node and n.name == exc.node), None)
+    if node is None:
+        return set()
+    producer = {out: n for n in model.graph.node for out in n.output}
+    found, _ = ancestors(producer, node_reads(node))
+    return found & chosen
+
+
+def _warn_frozen(exc: NotDifferentiableError, names: set[str]) -> None:
+    shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+    warnings.warn(
+        f"node {exc.node!r} (op type {exc.op_type}) has no gradient here: the "
+        f"{len(names)} weights before it stay frozen buffers ({shown}); the weights after "
+        f"it train. Pass trainable= to choose, or train the float model it came from "
+        f"({exc})",
+        stacklevel=4,
+    )
 
 
 class OnnxModule(nn.Module):
@@ -203,16 +227,29 @@ class OnnxModule(nn.Module):
             except CallShapesNeeded:
                 return  # only a call's inputs tell what the graph needs: checked then
             except NotDifferentiableError as exc:
-                # The static analysis may miss a path the builder knows to be
-                # dead: by default such weights simply stay frozen.
-                name = exc.unreachable
-                if not default or name not in chosen:
+                if not default:
                     raise
-                chosen.discard(name)
-                path = self._onnx_names[name]
-                owner = self._owner(path)
-                tensor = owner._parameters.pop(path[-1]).detach()
-                owner.register_buffer(path[-1], tensor)
+                # The static analysis may miss a path the builder knows to be
+                # dead: by default such weights simply stay frozen. Behind a
+                # node no engine differentiates, the default trains what lies
+                # after it and names what stays frozen before it.
+                names = {exc.unreachable} & chosen
+                if not names and self._backend != "training-agent":
+                    # (the agent's refusals name the engine that trains the node)
+                    names = _before(exc, chosen, self._summary_model())
+                if not names:
+                    raise
+                if exc.unreachable not in names:
+                    _warn_frozen(exc, names)
+                for name in names:
+                    chosen.discard(name)
+                    self._freeze(name)
+
+    def _freeze(self, name: str) -> None:
+        path = self._onnx_names[name]
+        owner = self._owner(path)
+        tensor = owner._parameters.pop(path[-1]).detach()
+        owner.register_buffer(path[-1], tensor)
 
     def _owner(self, path) -> nn.Module:
         owner = self

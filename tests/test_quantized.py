@@ -108,6 +108,13 @@ def files(tmp_path_factory):
             out[kind, form] = quantized_file(str(source), target, _batches(x.shape), **options)
         out[kind, "dynamic"] = str(root / f"{kind}-dynamic.onnx")
         quantize_dynamic(str(source), out[kind, "dynamic"])
+        # onnxruntime's optimiser fuses it (DynamicQuantizeMatMul), as optimum's O2 saves it.
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = str(root / f"{kind}-dynamic-fused.onnx")
+        if kind == "mlp" or _ort.version() >= (1, 20):  # 1.19.2 has no int8 ConvInteger
+            onnxruntime.InferenceSession(out[kind, "dynamic"], options)
+            out[kind, "dynamic-fused"] = options.optimized_model_filepath
     return out
 
 
@@ -479,22 +486,26 @@ def test_a_published_weight_only_file_trains_as_its_float_twin_and_comes_back_in
     np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=scaled_atol(1e-5, theirs))
 
 
-_DYNAMIC = [("cnn", "dynamic"), ("mlp", "dynamic")]
+_DYNAMIC = [(k, f) for k in ("cnn", "mlp") for f in ("dynamic", "dynamic-fused")]
 
 
-@pytest.mark.parametrize("case", _DYNAMIC, ids=[k for k, _ in _DYNAMIC])
+@pytest.mark.parametrize("case", _DYNAMIC, ids=[f"{k}-{f}" for k, f in _DYNAMIC])
 def test_a_dynamically_quantized_file_trains_as_torch_fake_quantization(files, case, tmp_path):
-    """quantize_dynamic's MatMulInteger / ConvInteger: the weights under fake
-    quantization, each activation under its own range's (torch: the same
-    range, ``fake_quantize_per_tensor_affine``)."""
-    path = files[case]
-    x = _input(case[0])
+    """quantize_dynamic's MatMulInteger / ConvInteger, and onnxruntime's fusion
+    of them (DynamicQuantizeMatMul): the weights under fake quantization, each
+    activation under its own range's (torch: the same range,
+    ``fake_quantize_per_tensor_affine``)."""
     if case[0] == "cnn" and _ort.version() < (1, 20):
         pytest.skip("onnxruntime 1.19.2 has no ConvInteger kernel for int8 weights: the file "
                     "does not run there")  # fmt: skip
+    path = files[case]
+    x = _input(case[0])
     expected = onnxruntime.InferenceSession(path).run(None, {"x": x})[0]
     layer = OnnxModule(path, backend="onnxruntime")
     int8 = {i.name for i in onnx.load(path).graph.initializer if i.name.endswith("_quantized")}
+    if case[1] == "dynamic-fused":
+        fused = {n.op_type for n in onnx.load(path).graph.node if n.domain == "com.microsoft"}
+        assert "DynamicQuantizeMatMul" in fused, fused
     assert int8 and int8 <= {n for n, _ in layer.named_onnx_parameters()}
     layer.eval()
     with torch.no_grad():
@@ -502,7 +513,7 @@ def test_a_dynamically_quantized_file_trains_as_torch_fake_quantization(files, c
     # The integer kernels sum in int32, the float ops in float32.
     np.testing.assert_allclose(start, expected, rtol=1e-4, atol=scaled_atol(1e-5, expected))
     layer.train()
-    reference = FakeQuantized(path)
+    reference = FakeQuantized(files[case[0], "dynamic"])  # the same, unfused
     x1, x2 = (torch.from_numpy(x).requires_grad_() for _ in range(2))
     y1, y2 = layer(x1), reference(x2)[0]
     torch.testing.assert_close(y1, y2, rtol=1e-4, atol=scaled_atol(1e-5, y2))
@@ -712,3 +723,36 @@ def test_lora_on_a_quantized_file_trains_adapters_and_saves_them_merged_as_int8(
         with pytest.raises(OnnxInputError, match="is quantized in the file .*merged int8 file"):
             save_adapters(layer, tmp_path / "base.onnx", tmp_path / "a.onnx_adapter")
         assert not (tmp_path / "base.onnx").exists()
+
+
+#: A published dynamic-int8 file with com.microsoft DynamicQuantizeLSTM (no
+#: engine differentiates it): open-voicefilter-lite's mask estimator.
+_VOICEFILTER = (
+    "open-voicefilter-lite", "0.2.0", "voicefilter_lite/models/voicefilter_lite.int8.onnx"
+)  # fmt: skip
+
+
+def test_weights_behind_a_node_no_engine_differentiates_stay_frozen_and_are_named():
+    from ortbridge.examples import published_file
+
+    path = str(published_file(*_VOICEFILTER))
+    with pytest.warns(UserWarning, match=r"DynamicQuantizeLSTM\) has no gradient here: the 6 "):
+        layer = OnnxModule(path)
+    trained = dict(layer.named_onnx_parameters())
+    assert len(trained) == 5 and "onnx::MatMul_362_quantized" in trained
+    assert not layer.onnx_weight("model.in_proj.bias").requires_grad
+    rng = np.random.default_rng(0)
+    feeds = {
+        "stacked_logmel": rng.standard_normal((2, 8, 512)).astype(np.float32),
+        "dvec": rng.standard_normal((2, 256)).astype(np.float32),
+        "h0": np.zeros((3, 2, 512), np.float32),
+        "c0": np.zeros((3, 2, 512), np.float32),
+    }
+    expected = onnxruntime.InferenceSession(path).run(None, feeds)[0]
+    mask = layer(*[torch.from_numpy(feeds[k]) for k in layer.input_names])[0]
+    np.testing.assert_allclose(mask.detach().numpy(), expected, atol=1e-5)
+    mask.sum().backward()
+    assert trained["onnx::MatMul_362_quantized"].grad.abs().max() > 0
+    # Asked for by name, a weight before it is refused naming the node.
+    with pytest.raises(NotDifferentiableError, match="DynamicQuantizeLSTM"):
+        OnnxModule(path, trainable=["model.in_proj.bias"])

@@ -86,8 +86,8 @@ def test_auto_says_which_engine_runs_and_why():
 
 @needs_engine
 def test_a_node_onnx_ad_gets_wrong_is_refused_by_name():
-    # y = Det(A * w) + sum(w): Det on the path from w is refused; freezing w
-    # (nothing on a gradient path) leaves a module that runs.
+    # y = Det(A * w): Det on the path from w is refused when w is asked
+    # for; freezing w (nothing on a gradient path) leaves a module that runs.
     graph = helper.make_graph(
         [
             helper.make_node("Mul", ["a", "w"], ["aw"]),
@@ -99,7 +99,12 @@ def test_a_node_onnx_ad_gets_wrong_is_refused_by_name():
         [numpy_helper.from_array(np.ones((3, 3), np.float32), "w")],
     )
     with pytest.raises(NotDifferentiableError, match=r"node 'determinant' \(op type Det\)"):
-        OnnxModule(make_model(graph), backend=ORT)
+        OnnxModule(make_model(graph), trainable=["w"], backend=ORT)
+    # By default the weight before it stays frozen, named.
+    with pytest.warns(UserWarning, match=r"'determinant' \(op type Det\).*1 weights before it"):
+        layer = OnnxModule(make_model(graph), backend=ORT)
+    assert not layer.onnx_weight("w").requires_grad
+    torch.testing.assert_close(layer(torch.eye(3) * 2), torch.tensor(8.0))
     frozen = OnnxModule(make_model(graph), trainable=[], backend=ORT)
     torch.testing.assert_close(frozen(torch.eye(3) * 2), torch.tensor(8.0))
 

@@ -81,7 +81,9 @@ def not_differentiable(exc: Exception, model: onnx.ModelProto) -> NotDifferentia
                 f"(the graph has {same}, the first is node {node!r}): {text}"
             )
     return NotDifferentiableError(
-        f"the onnxruntime engine cannot differentiate node {node!r} (op type {op_type}): {text}"
+        f"the onnxruntime engine cannot differentiate node {node!r} (op type {op_type}): {text}",
+        node=node,
+        op_type=op_type,
     )
 
 

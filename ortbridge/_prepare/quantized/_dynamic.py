@@ -11,6 +11,8 @@ in float32 rather than in int32 (an output differs by float rounding). Then
 :mod:`._lift` trains the weights under fake quantization; the activations'
 dynamic pairs pass the gradient straight through (their range is the
 tensor's own: nothing is clipped). A saved file keeps the integer nodes.
+onnxruntime's optimiser fuses them into com.microsoft ``DynamicQuantizeMatMul``
+and ``MatMulIntegerToFloat``, read the same way.
 """
 
 from __future__ import annotations
@@ -63,12 +65,86 @@ def _only_reader(readers, name, op_type):
     return None
 
 
+#: onnxruntime's fusions of the same (what its optimiser saves, optimum's O2+):
+#: op type -> positions of (A, B, A's scale or None: A is float, quantized
+#: inside, B's scale, A's zero point, B's zero point, bias).
+_FUSED = {
+    "DynamicQuantizeMatMul": (0, 1, None, 2, None, 3, 4),
+    "MatMulIntegerToFloat": (0, 1, 2, 3, 4, 5, 6),
+}
+
+
+def _fused(model: onnx.ModelProto):
+    inits = {i.name for i in model.graph.initializer}
+    for node in model.graph.node:
+        slots = _FUSED.get(node.op_type) if node.domain == "com.microsoft" else None
+        if slots is None:
+            continue
+        b, b_scale, b_zero = (_at(node, slots[i]) for i in (1, 3, 5))
+        if b in inits and b_scale in inits and (not b_zero or b_zero in inits):
+            yield node, slots
+
+
+def _at(node, pos):
+    return node.input[pos] if pos is not None and len(node.input) > pos else ""
+
+
 def has_dynamic(model: onnx.ModelProto) -> bool:
-    return next(_matches(model), None) is not None
+    return next(_matches(model), None) is not None or next(_fused(model), None) is not None
+
+
+def _fused_as_pairs(model: onnx.ModelProto) -> None:
+    """com.microsoft ``DynamicQuantizeMatMul`` (A quantized inside, as
+    ``DynamicQuantizeLinear`` quantizes it) and ``MatMulIntegerToFloat`` as
+    ``MatMul`` of ``DequantizeLinear`` operands, plus the bias."""
+    found = list(_fused(model))
+    if not found:
+        return
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    taken = _all_names(graph)
+    replaced = {}
+    for node, slots in found:
+        a, b, a_scale, b_scale, a_zero, b_zero, bias = (_at(node, p) for p in slots)
+        base = node.name or node.output[0]
+        fresh = lambda stem, base=base: _unique(f"{base}/{stem}", taken)  # noqa: E731
+        nodes = []
+        if slots[2] is None:  # quantized here, as DynamicQuantizeLinear does
+            q, a_scale, a_zero = fresh("a_quantized"), fresh("a_scale"), fresh("a_zero_point")
+            nodes.append(helper.make_node("DynamicQuantizeLinear", [a], [q, a_scale, a_zero], q))
+            a = q
+        a_f, b_f = fresh("a_dequantized"), fresh("b_dequantized")
+        nodes.append(
+            helper.make_node(
+                "DequantizeLinear", [a, a_scale] + ([a_zero] if a_zero else []), [a_f], a_f
+            )
+        )
+        per_column = len(inits[b_scale].dims) == 1 and inits[b_scale].dims[0] > 1
+        nodes.append(
+            helper.make_node(
+                "DequantizeLinear",
+                [b, b_scale] + ([b_zero] if b_zero else []),
+                [b_f],
+                b_f,
+                **({"axis": 1} if per_column else {}),
+            )  # fmt: skip
+        )
+        product = fresh("product") if bias else node.output[0]
+        nodes.append(helper.make_node("MatMul", [a_f, b_f], [product], base))
+        if bias:
+            nodes.append(helper.make_node("Add", [product, bias], [node.output[0]], fresh("bias")))
+        replaced[id(node)] = nodes
+    rewritten = []
+    for node in graph.node:
+        rewritten.extend(replaced.get(id(node), [node]))
+    del graph.node[:]
+    graph.node.extend(rewritten)
 
 
 def dynamic_as_pairs(model: onnx.ModelProto) -> None:
-    """Each matched ``*Integer`` node as its float op between pairs, in place."""
+    """Each matched ``*Integer`` node (and onnxruntime's fusions of them) as
+    its float op between pairs, in place."""
+    _fused_as_pairs(model)
     found = list(_matches(model))
     if not found:
         return
