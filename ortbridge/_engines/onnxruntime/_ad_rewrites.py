@@ -37,6 +37,9 @@ works around one onnx-ad defect, each checked against finite differences in
 - Inference ``BatchNormalization`` whose mean or variance is not a
   constant: elementwise ops (onnx-ad gives those two a zero gradient).
 - Conv, ConvTranspose and pools: :mod:`._ad_rewrites_conv`.
+- onnxruntime's fused transformer nodes (com.microsoft ``SkipLayerNormalization``,
+  ``BiasGelu``, ``FusedMatMul`` ...): the standard ops they compute
+  (:mod:`._ad_rewrites_fused`).
 - Sequences (onnx-ad has no rule for any sequence operator): those of
   known length read by constant position, and loops appending to one, as
   tensors (:mod:`ortbridge._prepare._sequences`).
@@ -65,6 +68,7 @@ from ortbridge.exceptions import OnnxModelError
 from . import _ad_rewrites_conv as conv
 from ._ad_rewrites_bodies import _inferred, _opset, rewrite_bodies
 from ._ad_rewrites_conv import copy_node, ints
+from ._ad_rewrites_fused import fused_as_standard
 from ._ad_rewrites_pad import copying_pad
 from ._ad_rewrites_quant import fake_quantize_nodes
 from ._ad_rewrites_slice import strided_slice
@@ -146,7 +150,7 @@ def prepare_for_reverse(model: onnx.ModelProto) -> onnx.ModelProto:
         model = upgrade_opset(copy)
     except OnnxModelError:  # onnx-ad then refuses, by name, the nodes that need opset 16
         model = copy
-    model = _shapes_folded(rewrite_bodies(sequences_as_tensors(model)))
+    model = _shapes_folded(rewrite_bodies(sequences_as_tensors(fused_as_standard(model))))
     graph = model.graph
     g = _Graph(model)
     taken = _all_names(graph)

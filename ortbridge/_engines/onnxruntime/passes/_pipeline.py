@@ -1,6 +1,7 @@
 """The optimiser's contract and its ordered list of passes.
 
-A pass rewrites graphs in place into equal, cheaper ones. It is a function of
+A pass rewrites graphs in place into equal, cheaper ones (or, one of them,
+into ones the CPU provider has kernels for). It is a function of
 :class:`Graphs` (the models of the stage it runs at) and declares when it
 runs: on the user's graph before onnx-ad differentiates it (``PRIMAL``), on
 the whole reverse model before :mod:`.._split` cuts it (``REVERSE``), or on
@@ -36,7 +37,7 @@ from ._optimize import Facts, _shapes, extended, facts, optimize_reverse
 from ._pool_grad import maxpool_gradients
 from ._reductions import fast_reductions
 from ._scalar_operands import full_rank_scalars
-from ._scatter_sums import concat_scatter_sums
+from ._scatter_sums import concat_scatter_sums, half_scatters_in_float
 from ._short_broadcasts import spread_short_broadcasts
 from ._simplify import collapse_views, merge_reshapes, simplify
 from ._unit_transposes import squeezed_transposes
@@ -180,6 +181,10 @@ PASSES: tuple[Pass, ...] = (
     Pass("Scan products with outside weights", BACKWARD, True, _scan_products),
     Pass("reductions, scalar operands and short broadcasts at known shapes", BACKWARD, True,
          _known_shape_forms),
+    # Not a speed-up: a kernel the CPU provider lacks (every shape; after the
+    # passes above, which read the scatters as onnx-ad wrote them).
+    Pass("float16 scatters that add, in float32", BACKWARD, False,
+         lambda g: half_scatters_in_float(g.backward)),
     Pass("unread initializers dropped", BACKWARD, True,
          lambda g: drop_unread_initializers(g.backward.graph)),
 )  # fmt: skip

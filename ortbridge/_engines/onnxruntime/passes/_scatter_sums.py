@@ -13,14 +13,24 @@ into pieces along one axis (an LSTM's weights and biases into its four
 gates, the gates' pre-activations) gets a Sum of Pads. Where the pieces
 tile that axis, each once, the sum is their Concat too (an LSTM's backward:
 128 Pads and 32 Sums less).
+
+Half-precision scatters that add (:func:`half_scatters_in_float`, whatever
+the shapes): onnx-ad writes an embedding table's gradient as a ``ScatterND``
+with ``reduction="add"``, which onnxruntime's CPU provider has no float16 or
+bfloat16 kernel for ("MLFloat16 data type is not supported with ScatterND
+opset 16 when reduction is 'add'", 1.19 to 1.31): a float16 file's backward
+failed there. The scatter runs on float32 copies of its data and updates
+and its sum is cast back; adding in float32 rounds less than float16 would
+(CUDA, which has the kernel, pays two casts).
 """
 
 from __future__ import annotations
 
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper
 
-from ortbridge._prepare._lookup import _unique
+from ortbridge._prepare._lookup import _all_names, _infer, _unique
+from ortbridge._prepare._onnx_utils import attr
 
 from ._optimize import _const, facts
 from ._pool_grad import _zeros
@@ -148,3 +158,47 @@ def _tiles(node, found, constants) -> tuple[int, list[str]] | None:
     if start != out_shape[axis]:
         return None
     return axis, [piece for _, _, piece in placed]
+
+
+_HALF = frozenset({TensorProto.FLOAT16, TensorProto.BFLOAT16})
+_SCATTERS = frozenset({"ScatterND", "ScatterElements"})
+
+
+def half_scatters_in_float(model: onnx.ModelProto) -> None:
+    """Each float16/bfloat16 scatter with a reduction run in float32, in place."""
+    graph = model.graph
+    candidates = [
+        n
+        for n in graph.node
+        if n.op_type in _SCATTERS
+        and n.domain in ("", "ai.onnx")
+        and attr(n, "reduction", "none") != "none"
+    ]
+    if not candidates:
+        return
+    types, _ = _infer(model)
+    taken = _all_names(graph)
+    nodes = []
+    for node in graph.node:
+        elem = types.get(node.input[0]) if node in candidates else None
+        if elem not in _HALF:
+            nodes.append(node)
+            continue
+        base = node.name or node.output[0]
+        data, updates, result = (
+            _unique(f"{base}/{s}_float", taken) for s in ("data", "updates", "sum")
+        )
+        nodes.append(helper.make_node("Cast", [node.input[0]], [data], data, to=TensorProto.FLOAT))
+        nodes.append(
+            helper.make_node("Cast", [node.input[2]], [updates], updates, to=TensorProto.FLOAT)
+        )
+        scatter = onnx.NodeProto()
+        scatter.CopyFrom(node)
+        scatter.input[0], scatter.input[2] = data, updates
+        scatter.output[0] = result
+        nodes.append(scatter)
+        nodes.append(
+            helper.make_node("Cast", [result], [node.output[0]], f"{base}/cast_back", to=elem)
+        )
+    del graph.node[:]
+    graph.node.extend(nodes)

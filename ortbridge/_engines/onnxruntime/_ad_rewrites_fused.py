@@ -1,0 +1,344 @@
+"""onnxruntime's fused transformer nodes written as the standard ops they compute, for onnx-ad.
+
+onnxruntime's transformer optimizer (``optimize_model``, optimum's O2-O4)
+fuses a layer's subgraphs into com.microsoft kernels onnx-ad has no rule
+for. Before onnx-ad runs, :func:`fused_as_standard` writes each as the ops
+it fuses (the contrib-op specs'), so the gradient graph differentiates
+standard ops and the forward computes the same function (summed otherwise:
+to float rounding). Inference sessions run the file's fused kernels.
+
+- ``SkipLayerNormalization``: ``LayerNormalization(input + skip [+ bias])``;
+  its optional outputs (mean, inverse standard deviation, the sum) kept.
+- ``SimplifiedLayerNormalization`` / ``SkipSimplifiedLayerNormalization``
+  (RMSNorm): ``x / sqrt(mean(x^2) + epsilon) * gamma``.
+- ``BiasGelu``, ``FastGelu`` (the tanh form), ``Gelu``: the elementwise
+  formulas (the engine's primal pass fuses the erf form again).
+- ``FusedMatMul``: ``alpha * op(A) @ op(B)`` with the transposes of its
+  ``transA``/``transB`` (batch transposes are left: refused by name).
+- ``EmbedLayerNormalization``: the word, position (``0..S-1`` or its
+  ``position_ids``) and segment embeddings gathered and summed, layer
+  normalised; its mask index is the mask's sum per sequence.
+- ``Attention`` (BERT's: no past state, no attention bias, not
+  unidirectional): the input times the packed QKV weight plus its bias,
+  split into heads, ``softmax(Q K^T * scale + mask) V``; a mask index of one
+  length per sequence (right padding) or a raw 0/1 mask adds
+  ``mask_filter_value`` where masked. Other forms are left: refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ortbridge._prepare._lookup import _all_names, _infer, _unique
+from ortbridge._prepare._onnx_utils import FLOAT_TYPES, attr, np_dtype
+
+_MS = "com.microsoft"
+FUSED = frozenset(
+    {
+        "SkipLayerNormalization", "SimplifiedLayerNormalization",
+        "SkipSimplifiedLayerNormalization", "BiasGelu", "FastGelu", "Gelu", "FusedMatMul",
+        "Attention", "EmbedLayerNormalization",
+    }
+)  # fmt: skip
+
+
+def fused_as_standard(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Each fused node of :data:`FUSED` as standard ops; in place, returned."""
+    graph = model.graph
+    if not any(n.domain == _MS and n.op_type in FUSED for n in graph.node):
+        return model
+    types, shapes = _infer(model)
+    taken = _all_names(graph)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    producers = {out: n for n in graph.node for out in n.output}
+    nodes = []
+    for node in graph.node:
+        if node.domain != _MS or node.op_type not in FUSED:
+            nodes.append(node)
+            continue
+        # The first float operand's type onnx knows (not an output of another
+        # fused node; an embedding's ids are integers).
+        known = [types[n] for n in node.input if types.get(n) in FLOAT_TYPES]
+        elem = known[0] if known else TensorProto.FLOAT
+        writer = _Writer(node, graph, taken, elem, (shapes, producers), opset)
+        new = getattr(writer, node.op_type)()
+        nodes.extend([node] if new is None else new)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
+
+
+class _Writer:
+    def __init__(self, node, graph, taken, elem, facts, opset):
+        self.node, self.graph, self.taken, self.elem = node, graph, taken, elem
+        (self.shapes, self.producers), self.opset = facts, opset
+        self.out: list[onnx.NodeProto] = []
+        self.base = node.name or node.output[0]
+
+    def _name(self, stem: str) -> str:
+        return _unique(f"{self.base}/{stem}", self.taken)
+
+    def op(self, op_type: str, inputs, output: str | None = None, **attrs) -> str:
+        name = output or self._name(op_type.lower())
+        self.out.append(
+            helper.make_node(op_type, list(inputs), [name], self._name(op_type), **attrs)
+        )
+        return name
+
+    def const(self, value: float) -> str:
+        name = self._name("const")
+        array = np.asarray(value, np_dtype(self.elem))
+        self.graph.initializer.append(numpy_helper.from_array(array, name))
+        return name
+
+    def _in(self, pos: int) -> str:
+        return self.node.input[pos] if len(self.node.input) > pos else ""
+
+    def _out(self, pos: int) -> str:
+        return self.node.output[pos] if len(self.node.output) > pos else ""
+
+    def _sum(self, names) -> str:
+        names = [n for n in names if n]
+        total = names[0]
+        for name in names[1:]:
+            total = self.op("Add", [total, name])
+        return total
+
+    def SkipLayerNormalization(self):
+        total = self._sum([self._in(0), self._in(1), self._in(4)])
+        if self._out(3):
+            self.op("Identity", [total], self._out(3))
+        epsilon = attr(self.node, "epsilon", 1e-12)
+        if self.opset >= 17:
+            outputs = [self._out(0), self._out(1), self._out(2)]
+            inputs = [total, self._in(2)] + ([self._in(3)] if self._in(3) else [])
+            self.out.append(
+                helper.make_node(
+                    "LayerNormalization",
+                    inputs,
+                    outputs,
+                    self._name("layer_norm"),
+                    axis=-1,
+                    epsilon=epsilon,
+                )  # fmt: skip
+            )
+            return self.out
+        # Before opset 17, its ops: (x - mean) / sqrt(var + epsilon) * gamma + beta.
+        mean = self._mean(total, self._out(1))
+        centred = self.op("Sub", [total, mean])
+        var = self._mean(self.op("Mul", [centred, centred]))
+        inverse = self.op(
+            "Reciprocal",
+            [self.op("Sqrt", [self.op("Add", [var, self.const(epsilon)])])],
+            self._out(2) or None,
+        )
+        scaled = self.op("Mul", [self.op("Mul", [centred, inverse]), self._in(2)])
+        if self._in(3):
+            self.op("Add", [scaled, self._in(3)], self._out(0))
+        else:
+            self.op("Identity", [scaled], self._out(0))
+        return self.out
+
+    def _mean(self, x: str, output: str | None = None) -> str:
+        """The mean over the last axis, kept (ReduceMean's axes: an input from opset 18)."""
+        if self.opset >= 18:
+            return self.op("ReduceMean", [x, self._axes([-1])], output or None, keepdims=1)
+        return self.op("ReduceMean", [x], output or None, axes=[-1], keepdims=1)
+
+    def _rms(self, x: str, gamma: str, output: str) -> None:
+        mean = self._mean(self.op("Mul", [x, x]))
+        epsilon = attr(self.node, "epsilon", 1e-6)
+        root = self.op("Sqrt", [self.op("Add", [mean, self.const(epsilon)])])
+        self.op("Mul", [self.op("Div", [x, root]), gamma], output)
+
+    def _axes(self, axes) -> str:
+        name = self._name("axes")
+        self.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), name))
+        return name
+
+    def SimplifiedLayerNormalization(self):
+        if any(self.node.output[1:]) or attr(self.node, "axis", -1) != -1:
+            return None  # its inverse-deviation output, other axes: left (refused by name)
+        self._rms(self._in(0), self._in(1), self._out(0))
+        return self.out
+
+    def SkipSimplifiedLayerNormalization(self):
+        if self._out(1) or self._out(2):
+            return None
+        total = self._sum([self._in(0), self._in(1), self._in(3)])
+        if self._out(3):
+            self.op("Identity", [total], self._out(3))
+        self._rms(total, self._in(2), self._out(0))
+        return self.out
+
+    def _gelu_erf(self, x: str, output: str) -> None:
+        scaled = self.op("Div", [x, self.const(math.sqrt(2.0))])
+        half = self.op("Mul", [x, self.const(0.5)])
+        self.op("Mul", [half, self.op("Add", [self.op("Erf", [scaled]), self.const(1.0)])], output)
+
+    def Gelu(self):
+        self._gelu_erf(self._in(0), self._out(0))
+        return self.out
+
+    def BiasGelu(self):
+        self._gelu_erf(self.op("Add", [self._in(0), self._in(1)]), self._out(0))
+        return self.out
+
+    def FastGelu(self):
+        x = self._sum([self._in(0), self._in(1)])
+        cube = self.op("Mul", [self.op("Mul", [x, x]), x])
+        inner = self.op("Add", [x, self.op("Mul", [cube, self.const(0.044715)])])
+        tanh = self.op("Tanh", [self.op("Mul", [inner, self.const(math.sqrt(2.0 / math.pi))])])
+        half = self.op("Mul", [x, self.const(0.5)])
+        self.op("Mul", [half, self.op("Add", [tanh, self.const(1.0)])], self._out(0))
+        return self.out
+
+    def FusedMatMul(self):
+        if attr(self.node, "transBatchA", 0) or attr(self.node, "transBatchB", 0):
+            return None
+        a, b = self._in(0), self._in(1)
+        if attr(self.node, "transA", 0):
+            a = self._transposed_last(a)
+        if attr(self.node, "transB", 0):
+            b = self._transposed_last(b)
+        if a is None or b is None:
+            return None
+        alpha = attr(self.node, "alpha", 1.0)
+        if alpha == 1.0:
+            self.op("MatMul", [a, b], self._out(0))
+        else:
+            self.op("Mul", [self.op("MatMul", [a, b]), self.const(alpha)], self._out(0))
+        return self.out
+
+    def _shape_part(self, x: str, index: int) -> str:
+        """Dimension ``index`` of ``x``, as a one-element int64 tensor."""
+        shape = self.op("Shape", [x])
+        return self.op("Gather", [shape, self._axes([index])], axis=0)
+
+    def EmbedLayerNormalization(self):
+        if attr(self.node, "mask_index_type", 1) != 1:
+            return None
+        ids, segments, words, positions, segment_table = (self._in(i) for i in range(5))
+        gamma, beta, mask, position_ids = (self._in(i) for i in (5, 6, 7, 8))
+        terms = [self.op("Gather", [words, ids], axis=0)]
+        if position_ids:
+            terms.append(self.op("Gather", [positions, position_ids], axis=0))
+        else:  # 0..S-1, broadcast over the batch
+            length = self.op("Squeeze", [self._shape_part(ids, 1), self._axes([0])])
+            steps = self.op("Range", [self._int(0), length, self._int(1)])
+            terms.append(self.op("Gather", [positions, steps], axis=0))
+        if segments and segment_table:
+            terms.append(self.op("Gather", [segment_table, segments], axis=0))
+        total = self._sum(terms)
+        if self._out(2):
+            self.op("Identity", [total], self._out(2))
+        self._layer_norm(total, gamma, beta, self._out(0), attr(self.node, "epsilon", 1e-12))
+        if self._out(1):
+            if mask:
+                counted = self.op("Cast", [mask], to=TensorProto.INT32)
+                self.op("ReduceSum", [counted, self._axes([1])], self._out(1), keepdims=0)
+            else:
+                return None
+        return self.out
+
+    def _int(self, value: int) -> str:
+        name = self._name("index")
+        self.graph.initializer.append(numpy_helper.from_array(np.array(value, np.int64), name))
+        return name
+
+    def _layer_norm(self, x, gamma, beta, output, epsilon) -> None:
+        inputs = [x, gamma] + ([beta] if beta else [])
+        if self.opset >= 17:
+            self.out.append(
+                helper.make_node(
+                    "LayerNormalization",
+                    inputs,
+                    [output],
+                    self._name("layer_norm"),
+                    axis=-1,
+                    epsilon=epsilon,
+                )  # fmt: skip
+            )
+            return
+        mean = self._mean(x)
+        centred = self.op("Sub", [x, mean])
+        var = self._mean(self.op("Mul", [centred, centred]))
+        inverse = self.op(
+            "Reciprocal", [self.op("Sqrt", [self.op("Add", [var, self.const(epsilon)])])]
+        )
+        scaled = self.op("Mul", [self.op("Mul", [centred, inverse]), gamma])
+        self.op("Add" if beta else "Identity", [scaled, beta] if beta else [scaled], output)
+
+    def Attention(self):
+        node = self.node
+        extra = [self._in(i) for i in range(4, 8)]
+        if any(extra) or any(node.output[1:]) or attr(node, "unidirectional", 0):
+            return None  # past state, attention bias, causal: left (refused by name)
+        if attr(node, "do_rotary", 0) or attr(node, "qkv_hidden_sizes", None):
+            return None
+        heads = attr(node, "num_heads")
+        weight_shape = self.shapes.get(self._in(1))
+        if not heads or weight_shape is None or weight_shape[-1] is None:
+            return None
+        hidden = weight_shape[-1] // 3
+        size = hidden // heads
+        scale = attr(node, "scale", 0.0) or 1.0 / math.sqrt(size)
+        qkv = self.op("MatMul", [self._in(0), self._in(1)])
+        if self._in(2):
+            qkv = self.op("Add", [qkv, self._in(2)])
+        split = self._axes([hidden, hidden, hidden])
+        names = [self._name(part) for part in ("q", "k", "v")]
+        self.out.append(
+            helper.make_node("Split", [qkv, split], names, self._name("split"), axis=-1)
+        )
+        heads_shape = self._axes([0, 0, heads, size])
+        q, k, v = (self.op("Reshape", [n, heads_shape]) for n in names)
+        q = self.op("Transpose", [q], perm=[0, 2, 1, 3])
+        k = self.op("Transpose", [k], perm=[0, 2, 3, 1])
+        v = self.op("Transpose", [v], perm=[0, 2, 1, 3])
+        scores = self.op("Mul", [self.op("MatMul", [q, k]), self.const(scale)])
+        mask = self._in(3)
+        if mask:
+            penalty = self._mask_penalty(mask, self._in(0))
+            if penalty is None:
+                return None
+            scores = self.op("Add", [scores, penalty])
+        probs = self.op("Softmax", [scores], axis=-1)
+        context = self.op("Transpose", [self.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])
+        self.op("Reshape", [context, self._axes([0, 0, hidden])], self._out(0))
+        return self.out
+
+    def _mask_penalty(self, mask: str, x: str) -> str | None:
+        """``mask_filter_value`` where a key is masked, 0 elsewhere, as (B, 1, 1, T)."""
+        shape = self.shapes.get(mask)
+        source = self.producers.get(mask)
+        if shape is None and source is not None and source.op_type == "EmbedLayerNormalization":
+            shape = (None,)  # its mask index: one length a sequence
+        rank = len(shape or ())
+        fill = self.const(attr(self.node, "mask_filter_value", -10000.0))
+        zero = self.const(0.0)
+        if rank == 1:  # one length a sequence: right padding
+            length = self.op("Squeeze", [self._shape_part(x, 1), self._axes([0])])
+            steps = self.op("Range", [self._int(0), length, self._int(1)])
+            ends = self.op(
+                "Unsqueeze", [self.op("Cast", [mask], to=TensorProto.INT64), self._axes([1])]
+            )
+            keep = self.op("Less", [self.op("Unsqueeze", [steps, self._axes([0])]), ends])
+        elif rank == 2:  # raw: 1 attends, 0 is masked
+            keep = self.op("Cast", [mask], to=TensorProto.BOOL)
+        else:
+            return None
+        penalty = self.op("Where", [keep, zero, fill])
+        return self.op("Unsqueeze", [penalty, self._axes([1, 2])])
+
+    def _transposed_last(self, name: str) -> str | None:
+        shape = self.shapes.get(name)
+        if shape is None:
+            return None
+        perm = list(range(len(shape)))
+        perm[-2:] = perm[-1:-3:-1]
+        return self.op("Transpose", [name], perm=perm)

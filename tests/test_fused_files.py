@@ -1,0 +1,223 @@
+"""Files onnxruntime's transformer optimizer wrote (com.microsoft fused nodes) fine-tune.
+
+``optimize_model(..., model_type="bert")`` from transformers' BERT, exported
+here: SkipLayerNormalization and BiasGelu (the optimizer's choice on this
+small model), and the FastGelu approximation. The reference is the same
+optimizer's file with every fusion switched off (the same folded weights,
+under the same names, as standard ops): its gradients on the onnxruntime
+engine, and torch's outputs.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import torch
+from conftest import scaled_atol
+
+from ortbridge import OnnxModule
+
+pytest.importorskip("onnxruntime.transformers.optimizer")
+
+
+def _optimized(source: str, target: str, fused: bool, approximate: bool = False) -> str:
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    options = FusionOptions("bert")
+    if not fused:
+        for name in vars(options):
+            if name.startswith("enable_"):
+                setattr(options, name, False)
+    options.enable_gelu_approximation = approximate
+    model = optimize_model(
+        source, model_type="bert", num_heads=2, hidden_size=16, optimization_options=options
+    )
+    model.save_model_to_file(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    from _transformers_zoo import exported
+
+    root = tmp_path_factory.mktemp("fused")
+    model, inputs, exported_model = exported("bert", "torchscript")
+    source = str(root / "bert.onnx")
+    onnx.save(exported_model, source)
+    files = {
+        "fused": _optimized(source, str(root / "fused.onnx"), fused=True),
+        "fast-gelu": _optimized(source, str(root / "fast.onnx"), fused=True, approximate=True),
+        "unfused": _optimized(source, str(root / "unfused.onnx"), fused=False),
+    }
+    return model, inputs, files
+
+
+def _fused_ops(path) -> collections.Counter:
+    return collections.Counter(
+        n.op_type for n in onnx.load(path).graph.node if n.domain == "com.microsoft"
+    )
+
+
+@pytest.mark.parametrize("form", ["fused", "fast-gelu"])
+def test_an_optimized_bert_trains_as_its_unfused_twin(bert, form, tmp_path):
+    model, (ids, mask), files = bert
+    path = files[form]
+    ops = _fused_ops(path)
+    assert (
+        ops["SkipLayerNormalization"] == 4
+        and ops["FastGelu" if form == "fast-gelu" else "BiasGelu"] == 2
+    ), ops
+    assert not _fused_ops(files["unfused"])
+    layer, twin = OnnxModule(path), OnnxModule(files["unfused"])
+    trained = dict(layer.named_onnx_parameters())
+    assert set(trained) == {n for n, _ in twin.named_onnx_parameters()} and len(trained) >= 30
+    feeds = {"x": ids.numpy(), "mask": mask.numpy()}
+    expected = onnxruntime.InferenceSession(path).run(None, feeds)[0]
+    with torch.no_grad():
+        reference = model(ids, mask).numpy()
+    tolerance = 3e-3 if form == "fast-gelu" else 1e-4  # the tanh form approximates torch's GELU
+    np.testing.assert_allclose(expected, reference, atol=scaled_atol(tolerance, reference))
+    out = layer(ids, mask)
+    np.testing.assert_allclose(out.detach().numpy(), expected, atol=scaled_atol(1e-5, expected))
+    twin_out = twin(ids, mask)
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * weights).sum().backward()
+    (twin_out * weights).sum().backward()
+    if form == "fused":
+        for name, p in trained.items():
+            want = twin.onnx_weight(name).grad
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, want, rtol=1e-3, atol=scaled_atol(1e-5, want))
+    else:  # the tanh form's gradient: close to the erf form's, not equal
+        for name, p in trained.items():
+            want = twin.onnx_weight(name).grad
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+            assert float((p.grad - want).abs().max()) <= 0.05 * float(want.abs().max()) + 1e-6, name
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = (layer(ids, mask) * weights).sum()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
+    saved = tmp_path / "fine-tuned.onnx"
+    layer.save(saved)
+    assert _fused_ops(saved) == ops
+    theirs = onnxruntime.InferenceSession(str(saved)).run(None, feeds)[0]
+    layer.eval()
+    with torch.no_grad():
+        mine = layer(ids, mask).numpy()
+    np.testing.assert_allclose(mine, theirs, atol=scaled_atol(1e-4, theirs))
+
+
+@pytest.mark.parametrize("form", ["unfused", "fused"])
+def test_a_float16_bert_trains_close_to_its_float32_twin(bert, form, tmp_path):
+    """onnxconverter-common's float16 conversion (onnxruntime's copy of it,
+    ``keep_io_types``): float16 weights train, the embeddings' gradient
+    (a ScatterND that adds, which the CPU provider has no float16 kernel for)
+    summed in float32; the gradients are the float32 file's to float16's
+    precision, and the file comes back in float16."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    _, (ids, mask), files = bert
+    path = str(tmp_path / f"{form}-fp16.onnx")
+    onnx.save(convert_float_to_float16(onnx.load(files[form]), keep_io_types=True), path)
+    layer, twin = OnnxModule(path), OnnxModule(files[form])
+    trained = dict(layer.named_onnx_parameters())
+    assert {p.dtype for p in trained.values()} == {torch.float16} and len(trained) >= 30
+    feeds = {"x": ids.numpy(), "mask": mask.numpy()}
+    expected = onnxruntime.InferenceSession(path).run(None, feeds)[0]
+    out, twin_out = layer(ids, mask), twin(ids, mask)
+    np.testing.assert_allclose(out.detach().numpy(), expected, atol=scaled_atol(1e-2, expected))
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * weights).sum().backward()
+    (twin_out * weights).sum().backward()
+    for name, p in trained.items():
+        want = twin.onnx_weight(name).grad
+        error = float((p.grad.float() - want).abs().max())
+        assert error <= 2e-2 * float(want.abs().max()) + 1e-3, (name, error)
+    torch.optim.SGD(layer.parameters(), lr=0.1).step()
+    saved = tmp_path / "fine-tuned.onnx"
+    layer.save(saved)
+    halves = {
+        i.name
+        for i in onnx.load(saved).graph.initializer
+        if i.data_type == onnx.TensorProto.FLOAT16
+    }
+    assert set(trained) <= halves
+    assert _fused_ops(saved) == _fused_ops(path)
+
+
+def _torch_gradient_like(value: np.ndarray, params: dict) -> torch.Tensor | None:
+    """torch's gradient laid out as the file's weight ``value``: a parameter
+    itself, transposed, or a packed QKV weight or bias (query, key, value)."""
+    for name, p in params.items():
+        data = p.detach().numpy()
+        if data.shape == value.shape and np.array_equal(data, value):
+            return p.grad
+        if data.ndim == 2 and data.T.shape == value.shape and np.array_equal(data.T, value):
+            return p.grad.T
+        if name.endswith("query.weight") or name.endswith("query.bias"):
+            parts = [params[name.replace("query", part)] for part in ("query", "key", "value")]
+            packed = [q.detach().numpy() for q in parts]
+            grads = [q.grad for q in parts]
+            if data.ndim == 2:
+                packed, grads = [w.T for w in packed], [g.T for g in grads]
+            joined = np.concatenate(packed, axis=-1)
+            if joined.shape == value.shape and np.array_equal(joined, value):
+                return torch.cat(grads, dim=-1)
+    return None
+
+
+def test_a_bert_with_fused_attention_trains_as_torch(tmp_path):
+    """Eager attention lets the optimizer fuse it: EmbedLayerNormalization,
+    Attention (packed QKV, a mask index of one length a sequence),
+    SkipLayerNormalization and BiasGelu; gradients against torch's on the
+    same model, each laid out as the file holds it."""
+    import transformers as tf
+    from _transformers_zoo import Hidden
+    from conftest import export_torchscript
+
+    torch.manual_seed(0)
+    config = tf.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, attn_implementation="eager",
+    )  # fmt: skip
+    model = Hidden(tf.BertModel(config)).eval()
+    with torch.no_grad():  # no two weights equal (LayerNorm's ones, zero biases)
+        for param in model.parameters():
+            param.add_(torch.rand_like(param) * 0.2 - 0.1)
+    ids = torch.randint(1, 50, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, -3:] = 0  # right padding
+    source = str(tmp_path / "bert.onnx")
+    onnx.save(
+        export_torchscript(
+            model, (ids, mask), input_names=["x", "mask"],
+            dynamic_axes={"x": {0: "b"}, "mask": {0: "b"}},
+        ),
+        source,
+    )  # fmt: skip
+    path = _optimized(source, str(tmp_path / "fused.onnx"), fused=True)
+    ops = _fused_ops(path)
+    assert ops["Attention"] == 2 and ops["EmbedLayerNormalization"] == 1, ops
+    layer = OnnxModule(path)
+    trained = dict(layer.named_onnx_parameters())
+    assert len(trained) == len(layer._weight_names) >= 16
+    out, ref = layer(ids, mask), model(ids, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=scaled_atol(1e-5, ref))
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * weights).sum().backward()
+    (ref * weights).sum().backward()
+    params = dict(model.named_parameters())
+    for name, p in trained.items():
+        want = _torch_gradient_like(p.detach().numpy(), params)
+        assert want is not None, f"no torch parameter holds {name}"
+        torch.testing.assert_close(p.grad, want, rtol=1e-3, atol=scaled_atol(1e-5, want))
