@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -145,7 +144,12 @@ def main(argv=None):
                           f"{ms['int8']:9.2f} {ratio:5.2f}")  # fmt: skip
                     results.append(dict(model=name, batch=batch, engine=engine, **ms, ratio=ratio))
     if args.json:
-        machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_step import _cpu_model
+
+        machine = {"cpu": _cpu_model(), "cores": os.cpu_count()}
         import onnxruntime
 
         machine.update(torch=torch.__version__, onnxruntime=onnxruntime.__version__)

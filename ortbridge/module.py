@@ -62,6 +62,10 @@ def _is_fake(args, kwargs) -> bool:
     return False
 
 
+#: Weight types ``dtype=`` holds in higher precision.
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _before(exc: NotDifferentiableError, chosen: set[str], model: onnx.ModelProto) -> set[str]:
     """The weights among ``chosen`` that the node ``exc`` refuses reads, directly
     or through the nodes before it: their gradient would cross it."""
@@ -125,6 +129,12 @@ class OnnxModule(nn.Module):
         backward. ``"auto"`` (default): the onnxruntime engine, and the
         training agent (where the training build is installed) for a graph
         the onnxruntime engine refuses. :attr:`backend` tells which runs.
+    dtype : torch.dtype, optional
+        Master weights: a file's float16 and bfloat16 weights are held (and
+        trained) as this dtype, ``torch.float32`` typically, and cast to the
+        file's type at each call; the graph still computes in the file's
+        precision and ``save()`` writes that. Then torch's ``GradScaler``
+        and mixed-precision recipes apply as to a float16 torch layer.
 
     Examples
     --------
@@ -146,6 +156,7 @@ class OnnxModule(nn.Module):
         session_options: onnxruntime.SessionOptions | None = None,
         batch_norm: str = "track",
         backend: str = "auto",
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if backend not in _engines.BACKENDS:
@@ -165,10 +176,15 @@ class OnnxModule(nn.Module):
         self._providers = providers
         self._session_options = session_options
         self._backend = backend
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise OnnxInputError(f"dtype must be a floating torch dtype, got {dtype!r}")
+        self._master_dtype = dtype
         chosen = choose_trainable(trainable, summary, prepared)
         self._onnx_names: dict[str, tuple[str, ...]] = {}
         for name, array in summary.float_initializers.items():
             tensor = torch.from_numpy(np.array(array, copy=True))
+            if dtype is not None and tensor.dtype in _HALF:
+                tensor = tensor.to(dtype)
             self._register_weight(name, tensor, name in chosen)
         self._weight_names = list(summary.float_initializers)
         self._build_bridge(prepared)
@@ -389,6 +405,11 @@ class OnnxModule(nn.Module):
         inputs = bind(specs, self._summary.name, args, kwargs)
         # Traced, the plain lookup: Dynamo reads the cached slots' walrus poorly.
         weights = [self.onnx_weight(n) for n in self._weight_names] if traced else self._weights()
+        if self.__dict__.get("_master_dtype") is not None:  # to the file's precision
+            weights = [
+                w.to(d) if d is not None and w.dtype != d else w
+                for w, d in zip(weights, self._weight_dtypes)
+            ]
         check_weights(self._weight_names, self._weight_dtypes, self._weight_shapes, weights)
         # A graph with neither weights nor inputs (constants only) runs on the CPU.
         device = weights[0].device if weights else inputs[0].device if inputs else _CPU

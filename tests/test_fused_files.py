@@ -1,4 +1,5 @@
-"""Files onnxruntime's transformer optimizer wrote (com.microsoft fused nodes) fine-tune.
+"""Files onnxruntime's transformer optimizer wrote (com.microsoft fused nodes), and
+float16 files, fine-tune.
 
 ``optimize_model(..., model_type="bert")`` from transformers' BERT, exported
 here: SkipLayerNormalization and BiasGelu (the optimizer's choice on this
@@ -21,12 +22,21 @@ from conftest import scaled_atol
 
 from ortbridge import OnnxModule
 
-pytest.importorskip("onnxruntime.transformers.optimizer")
+
+def _optimizer():
+    """onnxruntime's ``optimize_model``. The training build's copy imports
+    coloredlogs, which that build does not install: the tests that optimize
+    run in maintained onnxruntime's environment."""
+    try:
+        from onnxruntime.transformers.optimizer import optimize_model
+    except ImportError as exc:
+        pytest.skip(f"onnxruntime's transformer optimizer does not import here: {exc}")
+    return optimize_model
 
 
 def _optimized(source: str, target: str, fused: bool, approximate: bool = False) -> str:
+    optimize_model = _optimizer()
     from onnxruntime.transformers.fusion_options import FusionOptions
-    from onnxruntime.transformers.optimizer import optimize_model
 
     options = FusionOptions("bert")
     if not fused:
@@ -55,6 +65,12 @@ def bert(tmp_path_factory):
         "unfused": _optimized(source, str(root / "unfused.onnx"), fused=False),
     }
     return model, inputs, files
+
+
+def _halves(path) -> set[str]:
+    """The float16 initializers of a file."""
+    model = onnx.load(path)
+    return {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT16}
 
 
 def _fused_ops(path) -> collections.Counter:
@@ -146,12 +162,7 @@ def test_a_float16_bert_trains_close_to_its_float32_twin(bert, form, tmp_path):
     torch.optim.SGD(layer.parameters(), lr=0.1).step()
     saved = tmp_path / "fine-tuned.onnx"
     layer.save(saved)
-    halves = {
-        i.name
-        for i in onnx.load(saved).graph.initializer
-        if i.data_type == onnx.TensorProto.FLOAT16
-    }
-    assert set(trained) <= halves
+    assert set(trained) <= _halves(saved)
     assert _fused_ops(saved) == _fused_ops(path)
 
 
@@ -174,6 +185,20 @@ def _torch_gradient_like(value: np.ndarray, params: dict) -> torch.Tensor | None
             if joined.shape == value.shape and np.array_equal(joined, value):
                 return torch.cat(grads, dim=-1)
     return None
+
+
+def _assert_trains_as_torch(layer, model, inputs) -> None:
+    """Outputs, and every trained weight's gradient of ``sum(out * w)``, as torch's."""
+    out, ref = layer(*inputs), model(*inputs)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=scaled_atol(1e-5, ref))
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * weights).sum().backward()
+    (ref * weights).sum().backward()
+    params = dict(model.named_parameters())
+    for name, p in layer.named_onnx_parameters():
+        want = _torch_gradient_like(p.detach().numpy(), params)
+        assert want is not None, f"no torch parameter holds {name}"
+        torch.testing.assert_close(p.grad, want, rtol=1e-3, atol=scaled_atol(1e-5, want))
 
 
 def test_a_bert_with_fused_attention_trains_as_torch(tmp_path):
@@ -211,13 +236,98 @@ def test_a_bert_with_fused_attention_trains_as_torch(tmp_path):
     layer = OnnxModule(path)
     trained = dict(layer.named_onnx_parameters())
     assert len(trained) == len(layer._weight_names) >= 16
-    out, ref = layer(ids, mask), model(ids, mask)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=scaled_atol(1e-5, ref))
+    _assert_trains_as_torch(layer, model, (ids, mask))
+
+
+def test_float32_master_weights_of_a_float16_file(bert, tmp_path):
+    """``dtype=torch.float32``: the float16 file's weights held and trained in
+    float32, cast to float16 at each call (the gradients are the float16
+    layer's, exactly), so that torch's GradScaler applies; saved in float16."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    _, (ids, mask), files = bert
+    path = str(tmp_path / "fp16.onnx")
+    onnx.save(convert_float_to_float16(onnx.load(files["fused"]), keep_io_types=True), path)
+    half, master = OnnxModule(path), OnnxModule(path, dtype=torch.float32)
+    params = dict(master.named_onnx_parameters())
+    assert {p.dtype for p in params.values()} == {torch.float32}
+    out_half, out = half(ids, mask), master(ids, mask)
+    torch.testing.assert_close(out, out_half, rtol=0, atol=0)
     weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out_half * weights).sum().backward()
     (out * weights).sum().backward()
-    (ref * weights).sum().backward()
-    params = dict(model.named_parameters())
-    for name, p in trained.items():
-        want = _torch_gradient_like(p.detach().numpy(), params)
-        assert want is not None, f"no torch parameter holds {name}"
-        torch.testing.assert_close(p.grad, want, rtol=1e-3, atol=scaled_atol(1e-5, want))
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad, half.onnx_weight(name).grad.float(), rtol=0, atol=0)
+    master.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    optimizer = torch.optim.SGD(master.parameters(), lr=0.1)
+    scaler.scale((master(ids, mask) * weights).sum()).backward()
+    before = {n: p.detach().clone() for n, p in params.items()}
+    scaler.step(optimizer)
+    scaler.update()
+    assert any(not torch.equal(before[n], p) for n, p in params.items())
+    saved = tmp_path / "fine-tuned.onnx"
+    master.save(saved)
+    assert set(params) <= _halves(saved)
+    with pytest.raises(Exception, match="dtype must be a floating torch dtype"):
+        OnnxModule(path, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "name, model_type", [("gpt2", "gpt2"), ("vit", "vit")], ids=["gpt2", "vit"]
+)
+def test_other_optimized_architectures_train_as_torch(name, model_type, tmp_path):
+    """GPT-2 (SkipLayerNormalization, FastGelu: GPT-2's own tanh GELU) and ViT
+    (SkipLayerNormalization, BiasGelu), each as the optimizer writes it from
+    transformers' model: outputs and every trained weight's gradient against
+    torch's."""
+    from _transformers_zoo import exported
+
+    optimize_model = _optimizer()
+    model, inputs, exported_model = exported(name, "torchscript")
+    source = str(tmp_path / f"{name}.onnx")
+    onnx.save(exported_model, source)
+    path = str(tmp_path / "fused.onnx")
+    optimize_model(source, model_type=model_type, num_heads=2, hidden_size=16).save_model_to_file(
+        path
+    )
+    assert _fused_ops(path)["SkipLayerNormalization"] == 4
+    layer = OnnxModule(path)
+    trained = dict(layer.named_onnx_parameters())
+    assert len(trained) >= 25
+    _assert_trains_as_torch(layer, model, inputs)
+
+
+#: A published float16 file: slovorez's test model (tf2onnx 1.17, int32 ids in,
+#: float16 probabilities out; float16 convolutions and an embedding).
+_SLOVOREZ = ("slovorez", "0.1.0", "slovorez/models/slovorez-test/slovorez-test.onnx")
+
+
+def test_a_published_float16_file_fine_tunes_and_comes_back_float16(tmp_path):
+    from ortbridge.examples import published_file
+
+    path = str(published_file(*_SLOVOREZ))
+    layer = OnnxModule(path)
+    trained = dict(layer.named_onnx_parameters())
+    halves = {n for n, p in trained.items() if p.dtype == torch.float16}
+    assert len(trained) >= 10 and len(halves) >= 5
+    ids = np.random.default_rng(0).integers(0, 20, (4, 6)).astype(np.int32)
+    expected = onnxruntime.InferenceSession(path).run(None, {layer.input_names[0]: ids})[0]
+    out = layer(torch.from_numpy(ids))
+    assert out.dtype == torch.float16
+    np.testing.assert_allclose(out.detach().numpy(), expected, atol=1e-3)
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.05)
+    losses = []
+    for _ in range(4):
+        optimizer.zero_grad()
+        loss = (layer(torch.from_numpy(ids)).float() * weights).sum()
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in trained.values())
+        optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
+    saved = tmp_path / "fine-tuned.onnx"
+    layer.save(saved)
+    kinds = {i.name: i.data_type for i in onnx.load(path).graph.initializer}
+    assert {i.name: i.data_type for i in onnx.load(saved).graph.initializer} == kinds

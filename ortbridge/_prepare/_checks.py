@@ -80,7 +80,14 @@ def check_runnable(model: onnx.ModelProto) -> None:
             )
 
 
+#: Kernels onnxruntime registers in the ONNX domain that ONNX does not define
+#: (its transformer optimizer writes them there).
+_ONNXRUNTIME_IN_ONNX_DOMAIN = frozenset({"SimplifiedLayerNormalization"})
+
+
 def _known(op_type: str, opset: int) -> bool:
+    if op_type in _ONNXRUNTIME_IN_ONNX_DOMAIN:
+        return True
     try:
         defs.get_schema(op_type, opset, "")
     except defs.SchemaError:

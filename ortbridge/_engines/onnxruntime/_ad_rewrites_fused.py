@@ -49,7 +49,7 @@ FUSED = frozenset(
 def fused_as_standard(model: onnx.ModelProto) -> onnx.ModelProto:
     """Each fused node of :data:`FUSED` as standard ops; in place, returned."""
     graph = model.graph
-    if not any(n.domain == _MS and n.op_type in FUSED for n in graph.node):
+    if not any(_fused(n) for n in graph.node):
         return model
     types, shapes = _infer(model)
     taken = _all_names(graph)
@@ -57,7 +57,7 @@ def fused_as_standard(model: onnx.ModelProto) -> onnx.ModelProto:
     producers = {out: n for n in graph.node for out in n.output}
     nodes = []
     for node in graph.node:
-        if node.domain != _MS or node.op_type not in FUSED:
+        if not _fused(node):
             nodes.append(node)
             continue
         # The first float operand's type onnx knows (not an output of another
@@ -70,6 +70,14 @@ def fused_as_standard(model: onnx.ModelProto) -> onnx.ModelProto:
     del graph.node[:]
     graph.node.extend(nodes)
     return model
+
+
+def _fused(node: onnx.NodeProto) -> bool:
+    # onnxruntime registers SimplifiedLayerNormalization in the ONNX domain
+    # (its optimizer writes it there), the others in com.microsoft.
+    if node.op_type == "SimplifiedLayerNormalization" and node.domain in ("", "ai.onnx"):
+        return True
+    return node.domain == _MS and node.op_type in FUSED
 
 
 class _Writer:
