@@ -17,6 +17,7 @@ from onnx import TensorProto as T
 from onnx import helper as h
 
 from ortbridge import _coverage
+from ortbridge._runtime import _ort
 
 _MS = "com.microsoft"
 
@@ -28,10 +29,11 @@ def _random(*shape, seed=0):
 def _case(
     name, op_type, inputs: dict, outputs: list[str], types=(), domain=_MS, **attrs
 ) -> _coverage.NodeCase:
-    """``op_type`` reading ``inputs`` (name -> value; "" skips a slot); ``types``:
+    """``op_type`` reading ``inputs`` (name -> value; a blank name skips a slot); ``types``:
     the outputs' element types after the first (float)."""
-    node = h.make_node(op_type, list(inputs), outputs, name, domain=domain, **attrs)
-    given = {k: v for k, v in inputs.items() if k}
+    slots = [k if k.strip() else "" for k in inputs]  # blank names: empty slots
+    node = h.make_node(op_type, slots, outputs, name, domain=domain, **attrs)
+    given = {k: v for k, v in inputs.items() if k.strip()}
     elem = {np.dtype(np.float32): T.FLOAT, np.dtype(np.int32): T.INT32}
     graph = h.make_graph(
         [node], name,
@@ -94,6 +96,25 @@ CASES = {
          "mask": np.array([[1, 1, 1, 1, 1], [1, 1, 0, 1, 0]], np.int32)},
         ["y"], num_heads=2,
     ),
+    "attention_unidirectional": lambda: _case(
+        "attention_unidirectional", "Attention",
+        {"x": _random(2, 5, 8), "w": _random(8, 24, seed=1) * 0.3, "bias": _random(24, seed=2)},
+        ["y"], num_heads=2, unidirectional=1,
+    ),
+    "multi_head_attention": lambda: _case(
+        "multi_head_attention", "MultiHeadAttention",
+        {"q": _random(2, 4, 8), "k": _random(2, 6, 8, seed=1), "v": _random(2, 6, 8, seed=2),
+         "bias": _random(24, seed=3) * 0.3,
+         "key_padding_mask": np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], np.int32)},
+        ["y"], num_heads=2,
+    ),
+    "multi_head_attention_bias": lambda: _case(
+        "multi_head_attention_bias", "MultiHeadAttention",
+        {"q": _random(2, 4, 8), "k": _random(2, 6, 8, seed=1), "v": _random(2, 6, 8, seed=2),
+         "": np.zeros(0, np.float32), " ": np.zeros(0, np.int32),
+         "attention_bias": _random(1, 2, 4, 6, seed=4)},
+        ["y"], num_heads=2,
+    ),
     "embed_layer_norm": lambda: _case(
         "embed_layer_norm", "EmbedLayerNormalization",
         {"ids": np.array([[1, 4, 2, 9, 3], [0, 5, 5, 7, 1]], np.int32),
@@ -107,8 +128,16 @@ CASES = {
 }  # fmt: skip
 
 
+#: Read otherwise by onnxruntime 1.19's kernel, left to it there (refused by name).
+_NEWER = {"multi_head_attention", "multi_head_attention_bias"}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_fused_node_is_differentiated_correctly(name):
     result = _coverage.run_case(CASES[name](), backend="onnxruntime")
+    if name in _NEWER and _ort.version() < (1, 20):
+        assert result.status == _coverage.REFUSED, (result.status, result.detail)
+        assert "MultiHeadAttention" in result.detail
+        return
     assert result.status == _coverage.CORRECT, (result.status, result.detail)
     assert result.checked > 0

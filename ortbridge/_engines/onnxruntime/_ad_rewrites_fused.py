@@ -18,11 +18,15 @@ to float rounding). Inference sessions run the file's fused kernels.
 - ``EmbedLayerNormalization``: the word, position (``0..S-1`` or its
   ``position_ids``) and segment embeddings gathered and summed, layer
   normalised; its mask index is the mask's sum per sequence.
-- ``Attention`` (BERT's: no past state, no attention bias, not
-  unidirectional): the input times the packed QKV weight plus its bias,
-  split into heads, ``softmax(Q K^T * scale + mask) V``; a mask index of one
-  length per sequence (right padding) or a raw 0/1 mask adds
-  ``mask_filter_value`` where masked. Other forms are left: refused by name.
+- ``Attention`` (no past state, no attention bias): the input times the
+  packed QKV weight plus its bias, split into heads, ``softmax(Q K^T * scale
+  + mask) V``; a mask index of one length per sequence (right padding) or a
+  raw 0/1 mask adds ``mask_filter_value`` where masked, and so does
+  ``unidirectional`` above the diagonal.
+- ``MultiHeadAttention`` (separate query, key and value of three axes, no
+  past state): the same, with its packed bias, key padding mask and
+  attention bias (the mask and the bias from onnxruntime 1.20: 1.19's
+  kernel reads them otherwise). Other forms are left: refused by name.
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortbridge._prepare._lookup import _all_names, _infer, _unique
 from ortbridge._prepare._onnx_utils import FLOAT_TYPES, attr, np_dtype
+from ortbridge._runtime import _ort
 
 _MS = "com.microsoft"
 FUSED = frozenset(
     {
         "SkipLayerNormalization", "SimplifiedLayerNormalization",
         "SkipSimplifiedLayerNormalization", "BiasGelu", "FastGelu", "Gelu", "FusedMatMul",
-        "Attention", "EmbedLayerNormalization",
+        "Attention", "MultiHeadAttention", "EmbedLayerNormalization",
     }
 )  # fmt: skip
 
@@ -284,8 +289,8 @@ class _Writer:
     def Attention(self):
         node = self.node
         extra = [self._in(i) for i in range(4, 8)]
-        if any(extra) or any(node.output[1:]) or attr(node, "unidirectional", 0):
-            return None  # past state, attention bias, causal: left (refused by name)
+        if any(extra) or any(node.output[1:]):
+            return None  # past state, attention bias: left (refused by name)
         if attr(node, "do_rotary", 0) or attr(node, "qkv_hidden_sizes", None):
             return None
         heads = attr(node, "num_heads")
@@ -293,32 +298,83 @@ class _Writer:
         if not heads or weight_shape is None or weight_shape[-1] is None:
             return None
         hidden = weight_shape[-1] // 3
-        size = hidden // heads
-        scale = attr(node, "scale", 0.0) or 1.0 / math.sqrt(size)
         qkv = self.op("MatMul", [self._in(0), self._in(1)])
         if self._in(2):
             qkv = self.op("Add", [qkv, self._in(2)])
-        split = self._axes([hidden, hidden, hidden])
+        names = self._split3(qkv, hidden)
+        penalties = []
+        if self._in(3):
+            penalties.append(self._mask_penalty(self._in(3), self._in(0)))
+        return self._attend(*names, heads, hidden, penalties)
+
+    def MultiHeadAttention(self):
+        node = self.node
+        if any(self._in(i) for i in range(6, 10)) or any(node.output[1:]):
+            return None  # past state: left (refused by name)
+        heads = attr(node, "num_heads")
+        query, key, value = self._in(0), self._in(1), self._in(2)
+        shape = self.shapes.get(query)
+        if not heads or not key or not value or shape is None or len(shape) != 3 or not shape[2]:
+            return None  # packed QKV or KV, or unknown sizes
+        if len(self.shapes.get(key) or ()) != 3:
+            return None
+        hidden = shape[2]
+        if self._in(3):  # one bias for the three: [q | k | v]
+            biases = self._split3(self._in(3), hidden)
+            query, key, value = (
+                self.op("Add", [t, b]) for t, b in zip((query, key, value), biases)
+            )
+        penalties = []
+        if (self._in(4) or self._in(5)) and _ort.version() < (1, 20):
+            # onnxruntime 1.19's kernel reads a key padding mask and an
+            # attention bias otherwise (its outputs differ from these ops').
+            return None
+        if self._in(4):
+            penalties.append(self._mask_penalty(self._in(4), key))
+        if self._in(5):
+            penalties.append(self._in(5))  # (B or 1, N, S, T): added as it is
+        return self._attend(query, key, value, heads, hidden, penalties)
+
+    def _split3(self, packed: str, hidden: int) -> list[str]:
         names = [self._name(part) for part in ("q", "k", "v")]
+        split = self._axes([hidden, hidden, hidden])
         self.out.append(
-            helper.make_node("Split", [qkv, split], names, self._name("split"), axis=-1)
+            helper.make_node("Split", [packed, split], names, self._name("split"), axis=-1)
         )
+        return names
+
+    def _attend(self, q, k, v, heads, hidden, penalties):
+        """``softmax(Q K^T * scale + penalties [+ causal]) V`` over ``heads``
+        heads, as (B, S, hidden)."""
+        if any(p is None for p in penalties):
+            return None
+        size = hidden // heads
+        scale = attr(self.node, "scale", 0.0) or 1.0 / math.sqrt(size)
         heads_shape = self._axes([0, 0, heads, size])
-        q, k, v = (self.op("Reshape", [n, heads_shape]) for n in names)
+        q, k, v = (self.op("Reshape", [n, heads_shape]) for n in (q, k, v))
         q = self.op("Transpose", [q], perm=[0, 2, 1, 3])
         k = self.op("Transpose", [k], perm=[0, 2, 3, 1])
         v = self.op("Transpose", [v], perm=[0, 2, 1, 3])
         scores = self.op("Mul", [self.op("MatMul", [q, k]), self.const(scale)])
-        mask = self._in(3)
-        if mask:
-            penalty = self._mask_penalty(mask, self._in(0))
-            if penalty is None:
-                return None
+        if attr(self.node, "unidirectional", 0):
+            penalties = [*penalties, self._causal_penalty(scores)]
+        for penalty in penalties:
             scores = self.op("Add", [scores, penalty])
         probs = self.op("Softmax", [scores], axis=-1)
         context = self.op("Transpose", [self.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])
         self.op("Reshape", [context, self._axes([0, 0, hidden])], self._out(0))
         return self.out
+
+    def _causal_penalty(self, scores: str) -> str:
+        """``mask_filter_value`` above the diagonal (a key after its query), as (S, T)."""
+        shape = self.op("Shape", [scores])
+        square = self.op("Slice", [shape, self._axes([2]), self._axes([4])])
+        ones = self.op(
+            "ConstantOfShape", [square], value=numpy_helper.from_array(np.ones(1, np.int64))
+        )
+        keep = self.op("Cast", [self.op("Trilu", [ones], upper=0)], to=TensorProto.BOOL)
+        fill = self.const(attr(self.node, "mask_filter_value", -10000.0))
+        return self.op("Where", [keep, self.const(0.0), fill])
 
     def _mask_penalty(self, mask: str, x: str) -> str | None:
         """``mask_filter_value`` where a key is masked, 0 elsewhere, as (B, 1, 1, T)."""
