@@ -113,7 +113,7 @@ class FakeQuantized(torch.nn.Module):
 
     def _fake(self, x, node):
         scale, zero = self._params(node)
-        info = np.iinfo(zero.dtype)
+        info = _Range(*_limits(zero))
         if scale.size == 1:
             return torch.fake_quantize_per_tensor_affine(
                 x, float(scale.reshape(())), int(zero.reshape(())), int(info.min), int(info.max)
@@ -202,8 +202,17 @@ class FakeQuantized(torch.nn.Module):
 
 
 def _limits(zero):
+    """The integer range of a zero point's type (4-bit types: ml_dtypes' int4/uint4)."""
+    four_bit = {"int4": (-8, 7), "uint4": (0, 15)}
+    if zero.dtype.name in four_bit:
+        return four_bit[zero.dtype.name]
     info = np.iinfo(zero.dtype)
     return int(info.min), int(info.max)
+
+
+class _Range:
+    def __init__(self, low, high):
+        self.min, self.max = low, high
 
 
 def _dynamic_fake(x):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from _quantized import FakeQuantized, quantized_file
 from conftest import export_torchscript, scaled_atol
+from onnx import TensorProto as T
 
 from ortbridge import OnnxModule
 from ortbridge._runtime import _ort
@@ -71,6 +72,8 @@ _FORMS = {
     "per-tensor-uint8": dict(per_channel=False, activations="QUInt8"),
     "per-channel-uint8": dict(per_channel=True, activations="QUInt8"),
     "per-channel-int8": dict(per_channel=True, activations="QInt8"),
+    # int4 weights: onnxruntime's contrib pairs (com.microsoft) before opset 21.
+    "per-channel-int4": dict(per_channel=True, activations="QUInt8", weights="QInt4"),
     "qoperator-per-tensor-uint8": dict(fmt="QOperator", per_channel=False, activations="QUInt8"),
     "qoperator-per-channel-int8": dict(fmt="QOperator", per_channel=True, activations="QInt8"),
 }
@@ -87,11 +90,23 @@ def _batches(shape, n=4):
     ]
 
 
+class _Files(dict):
+    """The quantized files; a form the installed quantizer cannot write skips its tests."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        if isinstance(value, Exception):
+            pytest.skip(
+                f"onnxruntime {onnxruntime.__version__}'s quantizer cannot write {key}: {value}"
+            )
+        return value
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """(model, form) -> path of the quantized file."""
     root = tmp_path_factory.mktemp("quantized")
-    out = {}
+    out = _Files()
     from onnxruntime.quantization import quantize_dynamic
 
     for kind, net in (("cnn", _Cnn), ("mlp", _Mlp), ("residual", _Residual)):
@@ -105,7 +120,10 @@ def files(tmp_path_factory):
         onnx.save(exported, source)
         for form, options in _FORMS.items():
             target = str(root / f"{kind}-{form}.onnx")
-            out[kind, form] = quantized_file(str(source), target, _batches(x.shape), **options)
+            try:
+                out[kind, form] = quantized_file(str(source), target, _batches(x.shape), **options)
+            except RuntimeError as exc:  # onnxruntime 1.19's quantizer and int4
+                out[kind, form] = exc
         out[kind, "dynamic"] = str(root / f"{kind}-dynamic.onnx")
         quantize_dynamic(str(source), out[kind, "dynamic"])
         # onnxruntime's optimiser fuses it (DynamicQuantizeMatMul), as optimum's O2 saves it.
@@ -226,8 +244,7 @@ def test_weights_and_biases_train_scales_stay_fixed(files, case):
     quantized = {
         i.name
         for i in onnx.load(files[case]).graph.initializer
-        if i.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT32)
-        and i.name.endswith("_quantized")
+        if i.data_type in (T.INT8, T.UINT8, T.INT4, T.INT32) and i.name.endswith("_quantized")
     }
     # The residual network's head weight stays float: the exporter transposes
     # it, and the quantizer quantizes the transpose as an activation.
@@ -262,9 +279,9 @@ def test_gradients_equal_torch_fake_quantization(files, case):
 def test_a_few_steps_lower_a_loss_and_the_file_comes_back_quantized(files, case, tmp_path):
     path = files[case]
     layer = OnnxModule(path)
-    # The residual network's outputs spread over a few quantization steps:
-    # smaller steps of Adam, more of them.
-    lr, steps = (3e-3, 30) if case[0] == "residual" else (1e-2, 15)
+    # The residual network's outputs spread over a few quantization steps, and
+    # int4 weights' steps are 16 times int8's: smaller steps of Adam, more of them.
+    lr, steps = (3e-3, 30) if case[0] == "residual" or "int4" in case[1] else (1e-2, 15)
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((16, *_SHAPES[case[0]][1:])).astype(np.float32))
     with torch.no_grad():  # within the output's quantization range

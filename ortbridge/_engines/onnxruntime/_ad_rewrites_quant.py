@@ -22,6 +22,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ortbridge._prepare._lookup import _infer
+from ortbridge._prepare.quantized._lift import QDQ_DOMAINS
 
 DOMAIN = "ai.ortbridge.training"
 OP = "FakeQuantize"
@@ -29,7 +30,9 @@ _STANDARD = ("", "ai.onnx")
 
 
 def _is(node: onnx.NodeProto, op: str) -> bool:
-    return node.op_type == op and node.domain in _STANDARD
+    # QuantizeLinear/DequantizeLinear: ONNX's, or onnxruntime's contrib ones.
+    domains = QDQ_DOMAINS if op != "DynamicQuantizeLinear" else _STANDARD
+    return node.op_type == op and node.domain in domains
 
 
 def _settings(node: onnx.NodeProto) -> tuple:
@@ -76,7 +79,9 @@ def fake_quantize_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
             _declare(graph, node.output[0], types, shapes, declared)
             continue
         scale, zero, _ = _settings(node)
-        held = types.get(quantize.output[0], TensorProto.UINT8 if not zero else None)
+        # The integers' type: onnx's inference (no zero point: uint8), or the
+        # zero point's (onnx infers nothing for com.microsoft's contrib pair).
+        held = types.get(quantize.output[0]) or (types.get(zero) if zero else TensorProto.UINT8)
         if held is None:
             nodes.append(node)
             continue
@@ -88,6 +93,7 @@ def fake_quantize_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
             domain=DOMAIN,
             to=held,
             axis=next((a.i for a in node.attribute if a.name == "axis"), 1),
+            pair_domain=node.domain,  # written back as the file wrote it
         )
         fake.attribute.extend(a for a in quantize.attribute if a.name == "saturate")
         nodes.append(fake)
@@ -105,7 +111,33 @@ def fake_quantize_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.node.extend(kept)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    _declare_through(model)
     return model
+
+
+def _declare_through(model: onnx.ModelProto) -> None:
+    """Declare each ``FakeQuantize`` output as its input is (type and shape),
+    where onnx could not: past a contrib pair onnx infers nothing, and a
+    file's own declarations there may be of other sizes (the batch as a
+    name). A chain of them is typed by declaring, inferring again, declaring
+    (once per layer, and for such files only)."""
+    graph = model.graph
+    fakes = [n for n in graph.node if n.op_type == OP and n.domain == DOMAIN]
+    for _ in range(len(fakes)):
+        types, shapes = _infer(model)
+        declared = {vi.name: vi for vi in graph.value_info}
+        changed = False
+        for node in fakes:
+            x, out = node.input[0], node.output[0]
+            dtype, shape = types.get(x) or types.get(out), shapes.get(x)
+            if dtype is None or shape is None or shapes.get(out) == shape:
+                continue
+            if out in declared:
+                graph.value_info.remove(declared[out])
+            graph.value_info.append(helper.make_tensor_value_info(out, dtype, list(shape)))
+            changed = True
+        if not changed:
+            return
 
 
 def _declare(graph, out, types, shapes, declared) -> None:
@@ -114,11 +146,22 @@ def _declare(graph, out, types, shapes, declared) -> None:
         graph.value_info.append(helper.make_tensor_value_info(out, types[out], shapes.get(out)))
 
 
-def quantize_pairs_restored(model: onnx.ModelProto) -> None:
-    """Every ``FakeQuantize`` node written back as the file's pair, in place."""
+def quantize_pairs_restored(model: onnx.ModelProto, source: onnx.ModelProto | None = None) -> None:
+    """Every ``FakeQuantize`` node written back as the file's pair, in place.
+
+    ``source`` (the graph handed to onnx-ad): its declarations of the pairs'
+    outputs are copied (onnx types nothing past a contrib pair, and the
+    forward graph's outputs need types).
+    """
     graph = model.graph
-    if not any(n.op_type == OP and n.domain == DOMAIN for n in graph.node):
+    fakes = {n.output[0] for n in graph.node if n.op_type == OP and n.domain == DOMAIN}
+    if not fakes:
         return
+    if source is not None:
+        known = {vi.name for vi in graph.value_info}
+        graph.value_info.extend(
+            vi for vi in source.graph.value_info if vi.name in fakes and vi.name not in known
+        )
     nodes = []
     for node in graph.node:
         if node.op_type != OP or node.domain != DOMAIN:
@@ -134,16 +177,25 @@ def quantize_pairs_restored(model: onnx.ModelProto) -> None:
             continue
         x, scale, zero = node.input
         kept = {"axis": attrs["axis"]} if "axis" in attrs else {}
+        domain = attrs.get("pair_domain", b"")
+        domain = domain.decode() if isinstance(domain, bytes) else domain
         held = f"{node.output[0]}__quantized"
         q_attrs = dict(kept, **({"saturate": attrs["saturate"]} if "saturate" in attrs else {}))
         inputs = [scale, zero] if zero else [scale]
         nodes.append(
-            helper.make_node("QuantizeLinear", [x, *inputs], [held], f"{node.name}_q", **q_attrs)
+            helper.make_node(
+                "QuantizeLinear", [x, *inputs], [held], f"{node.name}_q", domain=domain, **q_attrs
+            )
         )
         nodes.append(
             helper.make_node(
-                "DequantizeLinear", [held, *inputs], [node.output[0]], node.name, **kept
-            )
+                "DequantizeLinear",
+                [held, *inputs],
+                [node.output[0]],
+                node.name,
+                domain=domain,
+                **kept,
+            )  # fmt: skip
         )
     del graph.node[:]
     graph.node.extend(nodes)

@@ -337,7 +337,7 @@ class _Built:
         seeds = [i.name for i in reverse.graph.input][n_graph_inputs:]
         adjoints = [o.name for o in reverse.graph.output][len(m.graph.output) :]
         fix_seed_axis(reverse)
-        quantize_pairs_restored(reverse)
+        quantize_pairs_restored(reverse, m)
         passes.run(passes.REVERSE, passes.Graphs(reverse=reverse), static is not None)
         self.reverse = reverse
         primal_outputs = user_outputs + stat_outputs

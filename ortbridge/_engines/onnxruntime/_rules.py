@@ -94,8 +94,9 @@ def _fake_quantize(ctx, node, grads):
     """torch's fake quantization: the gradient where ``round(x / scale) +
     zero_point`` lies in the integer type's range, zero elsewhere; none for
     the scale and zero point (they stay fixed)."""
-    import numpy as np
     from onnx import helper
+
+    from ortbridge._prepare.quantized._lift import integer_limits
 
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if grads[0] is None or attrs.get("dynamic"):  # a dynamic range clips nothing
@@ -103,7 +104,7 @@ def _fake_quantize(ctx, node, grads):
     x, scale, zero = node.input
     b = ctx.b
     dtype = ctx.dtype(x)
-    info = np.iinfo(helper.tensor_dtype_to_np_dtype(attrs["to"]))
+    q_min, q_max = integer_limits(attrs["to"])
     rank = ctx.rank(x)
     if ctx.rank(scale) == 1 and rank > 1:  # per axis: along that axis
         shape = [1] * rank
@@ -117,8 +118,8 @@ def _fake_quantize(ctx, node, grads):
     inside = b.op(
         "And",
         [
-            b.op("GreaterOrEqual", [level, ctx.constant(float(info.min), dtype)]),
-            b.op("LessOrEqual", [level, ctx.constant(float(info.max), dtype)]),
+            b.op("GreaterOrEqual", [level, ctx.constant(float(q_min), dtype)]),
+            b.op("LessOrEqual", [level, ctx.constant(float(q_max), dtype)]),
         ],
         stem="fq_inside",
     )

@@ -41,13 +41,30 @@ from ._qoperators import has_qoperators, qoperators_as_pairs
 from ._weight_only import has_weight_only, weight_only_as_dequantize
 
 _STANDARD = ("", "ai.onnx")
-#: Integer types a ``QuantizeLinear`` writes, by the lowest ai.onnx opset that has it.
+#: Where ``QuantizeLinear``/``DequantizeLinear`` come from: ONNX, or onnxruntime's
+#: contrib versions (its quantizer writes them for int4 and int16 before opset 21).
+QDQ_DOMAINS = ("", "ai.onnx", "com.microsoft")
+#: Integer types a ``QuantizeLinear`` writes, by the lowest ai.onnx opset that
+#: has it (com.microsoft's take every one of them).
 _QUANTIZABLE = {
     TensorProto.INT8: 10,
     TensorProto.UINT8: 10,
     TensorProto.INT16: 21,
     TensorProto.UINT16: 21,
+    TensorProto.INT4: 21,
+    TensorProto.UINT4: 21,
 }
+
+
+def integer_limits(elem_type: int) -> tuple[int, int]:
+    """The smallest and largest value of an integer tensor type (4-bit ones included)."""
+    bits = {TensorProto.INT4: (-8, 7), TensorProto.UINT4: (0, 15)}
+    if elem_type in bits:
+        return bits[elem_type]
+    info = np.iinfo(helper.tensor_dtype_to_np_dtype(elem_type))
+    return int(info.min), int(info.max)
+
+
 #: Types whose weights train as float without a quantization pair (biases).
 _UNPAIRED = frozenset({TensorProto.INT32})
 
@@ -64,10 +81,12 @@ class QuantizedWeight:
     #: Whether the float weight trains under fake quantization (else plain float).
     paired: bool
 
+    #: The domain of the file's DequantizeLinear (com.microsoft's contrib op, or ONNX's).
+    domain: str = ""
+
     @property
     def limits(self) -> tuple[int, int]:
-        info = np.iinfo(helper.tensor_dtype_to_np_dtype(self.elem_type))
-        return int(info.min), int(info.max)
+        return integer_limits(self.elem_type)
 
     def _broadcast(self, value: np.ndarray, rank: int) -> np.ndarray:
         if value.ndim == 0 or rank == 0:
@@ -116,12 +135,20 @@ def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
     found = {}
     for name, init in inits.items():
         kind = init.data_type
-        if name in outputs or not (kind in _UNPAIRED or opset >= _QUANTIZABLE.get(kind, 10**6)):
-            continue
         uses = readers.get(name, [])
-        if not uses or any(
-            node.op_type != "DequantizeLinear" or node.domain not in _STANDARD or slot != 0
-            for node, slot in uses
+        if (
+            name in outputs
+            or not uses
+            or any(
+                node.op_type != "DequantizeLinear" or node.domain not in QDQ_DOMAINS or slot != 0
+                for node, slot in uses
+            )
+        ):
+            continue
+        domains = {node.domain for node, _ in uses}
+        contrib = domains == {"com.microsoft"}
+        if not (
+            kind in _UNPAIRED or kind in _QUANTIZABLE and (contrib or opset >= _QUANTIZABLE[kind])
         ):
             continue
         params = {_params(node, inits) for node, _ in uses}
@@ -136,7 +163,8 @@ def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
         if scale.ndim > 1 or zero.size != scale.size or not np.all(scale > 0):
             continue
         zero = zero.reshape(scale.shape)
-        found[name] = QuantizedWeight(name, kind, scale, zero, axis, kind not in _UNPAIRED)
+        domain = "com.microsoft" if contrib else ""
+        found[name] = QuantizedWeight(name, kind, scale, zero, axis, kind not in _UNPAIRED, domain)
     return found
 
 
@@ -172,7 +200,9 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
             init.CopyFrom(numpy_helper.from_array(value, init.name))
     nodes = []
     for node in graph.node:
-        record = found.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        record = (
+            found.get(node.input[0]) if node.op_type == "DequantizeLinear" and node.input else None
+        )
         if record is None:
             nodes.append(node)
             continue
@@ -191,6 +221,7 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
             [record.name, node.input[1], zero],
             [held],
             _unique(f"{node.name or record.name}_quantize", taken),
+            domain=node.domain,  # as the file's DequantizeLinear (int4 before opset 21)
             **({"axis": record.axis} if record.scale.ndim else {}),
         )
         node.input[0] = held
