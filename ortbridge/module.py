@@ -234,6 +234,7 @@ class OnnxModule(nn.Module):
     def _check_trainable(self, chosen: set[str], default: bool) -> None:
         """Build the training graph now, so a graph that cannot train fails here."""
         device = self._device()
+        prepared = None  # the normalised graph, made once where a refusal needs it
         while True:
             needs = [False] * len(self._summary.inputs) + [n in chosen for n in self._weight_names]
             try:
@@ -252,7 +253,9 @@ class OnnxModule(nn.Module):
                 names = {exc.unreachable} & chosen
                 if not names and self._backend != "training-agent":
                     # (the agent's refusals name the engine that trains the node)
-                    names = _before(exc, chosen, self._summary_model())
+                    if prepared is None:
+                        prepared = self._summary_model()
+                    names = _before(exc, chosen, prepared)
                 if not names:
                     raise
                 if exc.unreachable not in names:

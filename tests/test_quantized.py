@@ -614,8 +614,13 @@ def test_published_int8_files_of_other_forms_fine_tune_and_come_back_int8(name, 
 
 @pytest.mark.parametrize(
     "case",
-    [("cnn", "per-channel-uint8"), ("residual", "qoperator-per-tensor-uint8"), ("mlp", "dynamic")],
-    ids=["qdq", "qoperator", "dynamic"],
+    [
+        ("cnn", "per-channel-uint8"),
+        ("cnn", "per-channel-int4"),  # com.microsoft's contrib pairs
+        ("residual", "qoperator-per-tensor-uint8"),
+        ("mlp", "dynamic"),
+    ],
+    ids=["qdq", "qdq-int4", "qoperator", "dynamic"],
 )
 def test_the_float_model_goes_out_without_quantization(files, case, tmp_path):
     """``save(quantized=False)``: the float function the file approximates,

@@ -125,35 +125,10 @@ class _Writer:
         total = self._sum([self._in(0), self._in(1), self._in(4)])
         if self._out(3):
             self.op("Identity", [total], self._out(3))
-        epsilon = attr(self.node, "epsilon", 1e-12)
-        if self.opset >= 17:
-            outputs = [self._out(0), self._out(1), self._out(2)]
-            inputs = [total, self._in(2)] + ([self._in(3)] if self._in(3) else [])
-            self.out.append(
-                helper.make_node(
-                    "LayerNormalization",
-                    inputs,
-                    outputs,
-                    self._name("layer_norm"),
-                    axis=-1,
-                    epsilon=epsilon,
-                )  # fmt: skip
-            )
-            return self.out
-        # Before opset 17, its ops: (x - mean) / sqrt(var + epsilon) * gamma + beta.
-        mean = self._mean(total, self._out(1))
-        centred = self.op("Sub", [total, mean])
-        var = self._mean(self.op("Mul", [centred, centred]))
-        inverse = self.op(
-            "Reciprocal",
-            [self.op("Sqrt", [self.op("Add", [var, self.const(epsilon)])])],
-            self._out(2) or None,
+        outputs = (self._out(0), self._out(1), self._out(2))
+        self._layer_norm(
+            total, self._in(2), self._in(3), outputs, attr(self.node, "epsilon", 1e-12)
         )
-        scaled = self.op("Mul", [self.op("Mul", [centred, inverse]), self._in(2)])
-        if self._in(3):
-            self.op("Add", [scaled, self._in(3)], self._out(0))
-        else:
-            self.op("Identity", [scaled], self._out(0))
         return self.out
 
     def _mean(self, x: str, output: str | None = None) -> str:
@@ -233,29 +208,25 @@ class _Writer:
         return self.op("Gather", [shape, self._axes([index])], axis=0)
 
     def EmbedLayerNormalization(self):
-        if attr(self.node, "mask_index_type", 1) != 1:
-            return None
+        if attr(self.node, "mask_index_type", 1) != 1 or (self._out(1) and not self._in(7)):
+            return None  # a raw mask out, or a mask index of no mask: left (refused by name)
         ids, segments, words, positions, segment_table = (self._in(i) for i in range(5))
         gamma, beta, mask, position_ids = (self._in(i) for i in (5, 6, 7, 8))
         terms = [self.op("Gather", [words, ids], axis=0)]
         if position_ids:
             terms.append(self.op("Gather", [positions, position_ids], axis=0))
         else:  # 0..S-1, broadcast over the batch
-            length = self.op("Squeeze", [self._shape_part(ids, 1), self._axes([0])])
-            steps = self.op("Range", [self._int(0), length, self._int(1)])
-            terms.append(self.op("Gather", [positions, steps], axis=0))
+            terms.append(self.op("Gather", [positions, self._positions(ids)], axis=0))
         if segments and segment_table:
             terms.append(self.op("Gather", [segment_table, segments], axis=0))
         total = self._sum(terms)
         if self._out(2):
             self.op("Identity", [total], self._out(2))
-        self._layer_norm(total, gamma, beta, self._out(0), attr(self.node, "epsilon", 1e-12))
+        epsilon = attr(self.node, "epsilon", 1e-12)
+        self._layer_norm(total, gamma, beta, (self._out(0), "", ""), epsilon)
         if self._out(1):
-            if mask:
-                counted = self.op("Cast", [mask], to=TensorProto.INT32)
-                self.op("ReduceSum", [counted, self._axes([1])], self._out(1), keepdims=0)
-            else:
-                return None
+            counted = self.op("Cast", [mask], to=TensorProto.INT32)
+            self.op("ReduceSum", [counted, self._axes([1])], self._out(1), keepdims=0)
         return self.out
 
     def _int(self, value: int) -> str:
@@ -263,28 +234,39 @@ class _Writer:
         self.graph.initializer.append(numpy_helper.from_array(np.array(value, np.int64), name))
         return name
 
-    def _layer_norm(self, x, gamma, beta, output, epsilon) -> None:
+    def _layer_norm(self, x, gamma, beta, outputs, epsilon) -> None:
+        """LayerNormalization over the last axis into ``outputs`` (the result, and
+        optionally the mean and inverse standard deviation: "" for none)."""
+        output, mean_out, inverse_out = outputs
         inputs = [x, gamma] + ([beta] if beta else [])
         if self.opset >= 17:
+            names = [output, mean_out, inverse_out]
+            while not names[-1]:  # no trailing empty optional outputs
+                names.pop()
             self.out.append(
                 helper.make_node(
                     "LayerNormalization",
                     inputs,
-                    [output],
+                    names,
                     self._name("layer_norm"),
                     axis=-1,
                     epsilon=epsilon,
                 )  # fmt: skip
             )
             return
-        mean = self._mean(x)
+        # Before opset 17, its ops: (x - mean) / sqrt(var + epsilon) * gamma + beta.
+        mean = self._mean(x, mean_out)
         centred = self.op("Sub", [x, mean])
         var = self._mean(self.op("Mul", [centred, centred]))
-        inverse = self.op(
-            "Reciprocal", [self.op("Sqrt", [self.op("Add", [var, self.const(epsilon)])])]
-        )
+        root = self.op("Sqrt", [self.op("Add", [var, self.const(epsilon)])])
+        inverse = self.op("Reciprocal", [root], inverse_out or None)
         scaled = self.op("Mul", [self.op("Mul", [centred, inverse]), gamma])
         self.op("Add" if beta else "Identity", [scaled, beta] if beta else [scaled], output)
+
+    def _positions(self, x: str) -> str:
+        """``0 .. S-1`` for the second axis of ``x`` (int64)."""
+        length = self.op("Squeeze", [self._shape_part(x, 1), self._axes([0])])
+        return self.op("Range", [self._int(0), length, self._int(1)])
 
     def Attention(self):
         node = self.node
@@ -311,6 +293,10 @@ class _Writer:
         node = self.node
         if any(self._in(i) for i in range(6, 10)) or any(node.output[1:]):
             return None  # past state: left (refused by name)
+        if (self._in(4) or self._in(5)) and _ort.version() < (1, 20):
+            # onnxruntime 1.19's kernel reads a key padding mask and an
+            # attention bias otherwise (its outputs differ from these ops').
+            return None
         heads = attr(node, "num_heads")
         query, key, value = self._in(0), self._in(1), self._in(2)
         shape = self.shapes.get(query)
@@ -325,10 +311,6 @@ class _Writer:
                 self.op("Add", [t, b]) for t, b in zip((query, key, value), biases)
             )
         penalties = []
-        if (self._in(4) or self._in(5)) and _ort.version() < (1, 20):
-            # onnxruntime 1.19's kernel reads a key padding mask and an
-            # attention bias otherwise (its outputs differ from these ops').
-            return None
         if self._in(4):
             penalties.append(self._mask_penalty(self._in(4), key))
         if self._in(5):
@@ -386,8 +368,7 @@ class _Writer:
         fill = self.const(attr(self.node, "mask_filter_value", -10000.0))
         zero = self.const(0.0)
         if rank == 1:  # one length a sequence: right padding
-            length = self.op("Squeeze", [self._shape_part(x, 1), self._axes([0])])
-            steps = self.op("Range", [self._int(0), length, self._int(1)])
+            steps = self._positions(x)
             ends = self.op(
                 "Unsqueeze", [self.op("Cast", [mask], to=TensorProto.INT64), self._axes([1])]
             )

@@ -111,7 +111,8 @@ def fake_quantize_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.node.extend(kept)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    _declare_through(model)
+    if any(q.domain == "com.microsoft" for q in pairs.values()):
+        _declare_through(model)
     return model
 
 
@@ -120,7 +121,8 @@ def _declare_through(model: onnx.ModelProto) -> None:
     where onnx could not: past a contrib pair onnx infers nothing, and a
     file's own declarations there may be of other sizes (the batch as a
     name). A chain of them is typed by declaring, inferring again, declaring
-    (once per layer, and for such files only)."""
+    (once per layer; for files with contrib pairs only: onnx types ONNX's
+    pairs in the one inference :func:`fake_quantize_nodes` runs)."""
     graph = model.graph
     fakes = [n for n in graph.node if n.op_type == OP and n.domain == DOMAIN]
     for _ in range(len(fakes)):

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from .._lookup import _all_names, _unique
-from ._lift import lift_quantized_weights
-
-_STANDARD = ("", "ai.onnx")
+from .._onnx_utils import node_reads
+from ._lift import QDQ_DOMAINS, integer_limits, lift_quantized_weights
 
 
 def float_model(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -33,7 +32,7 @@ def float_model(model: onnx.ModelProto) -> onnx.ModelProto:
     nodes = []
     for node in graph.node:
         source = producer.get(node.input[0]) if node.input else None
-        if node.op_type != "DequantizeLinear" or node.domain not in _STANDARD or source is None:
+        if node.op_type != "DequantizeLinear" or node.domain not in QDQ_DOMAINS or source is None:
             nodes.append(node)
             continue
         x = source.input[0]
@@ -55,7 +54,7 @@ def float_model(model: onnx.ModelProto) -> onnx.ModelProto:
     for node in reversed(nodes):
         if any(o in read for o in node.output) or not node.output:
             kept.append(node)
-            read.update(node.input)
+            read.update(node_reads(node))  # a body's outer reads too
     del graph.node[:]
     graph.node.extend(reversed(kept))
     used = read | {i.name for i in graph.input}
@@ -72,13 +71,9 @@ def _range(node: onnx.NodeProto, inits) -> tuple[np.ndarray, np.ndarray] | None:
     if scale is None or (len(node.input) > 2 and node.input[2] and zero is None):
         return None
     s = numpy_helper.to_array(scale)
-    z = numpy_helper.to_array(zero) if zero is not None else np.zeros((), np.uint8)
     if s.size != 1:
         return None
-    info = np.iinfo(z.dtype)
-    z = float(z.reshape(()))
+    z = float(numpy_helper.to_array(zero).reshape(())) if zero is not None else 0.0
+    low, high = integer_limits(zero.data_type if zero is not None else TensorProto.UINT8)
     s = s.reshape(())
-    return (
-        np.asarray((info.min - z) * s, s.dtype),
-        np.asarray((info.max - z) * s, s.dtype),
-    )
+    return np.asarray((low - z) * s, s.dtype), np.asarray((high - z) * s, s.dtype)

@@ -36,6 +36,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .._lookup import _all_names, _unique
+from .._onnx_utils import FLOAT_TYPES
 from ._dynamic import dynamic_as_pairs, has_dynamic
 from ._qoperators import has_qoperators, qoperators_as_pairs
 from ._weight_only import has_weight_only, weight_only_as_dequantize
@@ -81,9 +82,6 @@ class QuantizedWeight:
     #: Whether the float weight trains under fake quantization (else plain float).
     paired: bool
 
-    #: The domain of the file's DequantizeLinear (com.microsoft's contrib op, or ONNX's).
-    domain: str = ""
-
     @property
     def limits(self) -> tuple[int, int]:
         return integer_limits(self.elem_type)
@@ -115,11 +113,11 @@ class QuantizedWeight:
 def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
     """The integer initializers of the main graph that train as float weights.
 
-    One qualifies where every node reading it is a standard
-    ``DequantizeLinear`` reading it as its data, with one scale and zero
-    point given as initializers (per tensor or per axis, no blocks): int8,
-    uint8 (int16, uint16 from opset 21) under fake quantization, int32
-    unpaired.
+    One qualifies where every node reading it is a ``DequantizeLinear``
+    (ONNX's, or onnxruntime's contrib one) reading it as its data, with one
+    scale and zero point given as initializers (per tensor or per axis, no
+    blocks): int8, uint8 (int16, uint16, int4, uint4 from opset 21, or in
+    contrib pairs) under fake quantization, int32 unpaired.
     """
     if has_qoperators(model) or has_weight_only(model) or has_dynamic(model):  # as QDQ
         model = _copy(model)
@@ -145,8 +143,7 @@ def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
             )
         ):
             continue
-        domains = {node.domain for node, _ in uses}
-        contrib = domains == {"com.microsoft"}
+        contrib = {node.domain for node, _ in uses} == {"com.microsoft"}
         if not (
             kind in _UNPAIRED or kind in _QUANTIZABLE and (contrib or opset >= _QUANTIZABLE[kind])
         ):
@@ -163,8 +160,7 @@ def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
         if scale.ndim > 1 or zero.size != scale.size or not np.all(scale > 0):
             continue
         zero = zero.reshape(scale.shape)
-        domain = "com.microsoft" if contrib else ""
-        found[name] = QuantizedWeight(name, kind, scale, zero, axis, kind not in _UNPAIRED, domain)
+        found[name] = QuantizedWeight(name, kind, scale, zero, axis, kind not in _UNPAIRED)
     return found
 
 
@@ -245,5 +241,8 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def requantized(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The integers ``model``'s quantized initializers among ``weights`` are saved as."""
+    integers = {i.name for i in model.graph.initializer if i.data_type not in FLOAT_TYPES}
+    if not integers.intersection(weights):  # a float file's save reads no more
+        return {}
     found = quantized_weights(model)
     return {name: found[name].quantized(v) for name, v in weights.items() if name in found}

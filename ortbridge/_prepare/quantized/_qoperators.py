@@ -161,12 +161,20 @@ class _Writer:
     def _input(self, pos: int) -> str:
         return self.node.input[pos] if len(self.node.input) > pos else ""
 
-    def _float_op(self, op: str, inputs: list[str], domain: str = "", **attrs) -> str:
-        name = self._fresh(f"{op.lower()}")
+    def _float_op(self, op: str, inputs: list[str], output: str | None = None) -> str:
+        """``op`` with the node's attributes (those the float op takes)."""
+        name = self._fresh(op.lower())
         kept = {k: v for k, v in self.attrs.items() if k not in _NOT_FLOAT}
-        kept.update(attrs)
-        self.out.append(helper.make_node(op, inputs, [name], name, domain=domain, **kept))
-        return name
+        self.out.append(helper.make_node(op, inputs, [output or name], name, **kept))
+        return output or name
+
+    def _with_bias(self, inputs: list[str], bias: int) -> list[str] | None:
+        """``inputs`` and the dequantized int32 bias at position ``bias`` (if
+        any; None: its scales are not initializers)."""
+        if not self._input(bias):
+            return inputs
+        dequantized = self._bias(self._input(bias), self._input(1), self._input(4))
+        return None if dequantized is None else [*inputs, dequantized]
 
     def _bias(self, bias: str, scale_a: str, scale_b: str) -> str | None:
         if bias not in self.inits or scale_a not in self.inits or scale_b not in self.inits:
@@ -191,12 +199,9 @@ class _Writer:
     def conv(self):
         x = self.dequantized(*(self._input(p) for p in (0, 1, 2)))
         w = self.dequantized(*(self._input(p) for p in (3, 4, 5)), axis=0)
-        inputs = [x, w]
-        if self._input(8):
-            bias = self._bias(self._input(8), self._input(1), self._input(4))
-            if bias is None:
-                return None
-            inputs.append(bias)
+        inputs = self._with_bias([x, w], 8)
+        if inputs is None:
+            return None
         y = self._float_op("Conv", inputs)
         self.quantized(y, self._input(6), self._input(7), self.node.output[0])
         return self.out
@@ -207,16 +212,11 @@ class _Writer:
         a = self.dequantized(*(self._input(p) for p in (0, 1, 2)))
         b_axis = 0 if self.attrs.get("transB", 0) else 1
         b = self.dequantized(*(self._input(p) for p in (3, 4, 5)), axis=b_axis)
-        inputs = [a, b]
-        if self._input(6):
-            bias = self._bias(self._input(6), self._input(1), self._input(4))
-            if bias is None:
-                return None
-            inputs.append(bias)
+        inputs = self._with_bias([a, b], 6)
+        if inputs is None:
+            return None
         if not self._input(7):  # a float output
-            name = self.node.output[0]
-            kept = {k: v for k, v in self.attrs.items() if k not in _NOT_FLOAT}
-            self.out.append(helper.make_node("Gemm", inputs, [name], self._fresh("gemm"), **kept))
+            self._float_op("Gemm", inputs, self.node.output[0])
             return self.out
         y = self._float_op("Gemm", inputs)
         self.quantized(y, self._input(7), self._input(8), self.node.output[0])

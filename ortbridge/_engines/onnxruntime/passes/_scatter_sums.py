@@ -167,20 +167,22 @@ _SCATTERS = frozenset({"ScatterND", "ScatterElements"})
 def half_scatters_in_float(model: onnx.ModelProto) -> None:
     """Each float16/bfloat16 scatter with a reduction run in float32, in place."""
     graph = model.graph
-    candidates = [
-        n
+    # Keyed by id, the nodes held: protobuf makes a new wrapper for a node no
+    # one holds, whose id another node's may then take.
+    candidates = {
+        id(n): n
         for n in graph.node
         if n.op_type in _SCATTERS
         and n.domain in ("", "ai.onnx")
         and attr(n, "reduction", "none") != "none"
-    ]
+    }
     if not candidates:
         return
     types, _ = _infer(model)
     taken = _all_names(graph)
     nodes = []
     for node in graph.node:
-        elem = types.get(node.input[0]) if node in candidates else None
+        elem = types.get(node.input[0]) if id(node) in candidates else None
         if elem not in _HALF:
             nodes.append(node)
             continue
