@@ -217,7 +217,7 @@ def test_cuda_non_default_stream(mlp_proto):
 @pytest.mark.parametrize("device", DEVICES)
 def test_dlpack_hands_memory_over_without_copies(device):
     x = torch.randn(5, 7, device=device)
-    vector = to_ortvalues([x])
+    vector, held = to_ortvalues([x])
     assert vector[0].data_ptr() == x.data_ptr()
     (back,) = from_ortvalues(vector)
     assert back.data_ptr() == x.data_ptr() and back.device == x.device

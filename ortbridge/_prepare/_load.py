@@ -112,6 +112,12 @@ def summarize(model: onnx.ModelProto, original: onnx.ModelProto | None = None) -
     init_names = {init.name for init in graph.initializer}
     inputs = [tensor_spec(i) for i in graph.input if i.name not in init_names]
     outputs = [tensor_spec(o) for o in graph.output]
+    if len(source.graph.output) == len(outputs):  # names as the file gives them
+        # (normalisation renames an output that is an input)
+        outputs = [
+            dataclasses.replace(spec, name=given.name)
+            for spec, given in zip(outputs, source.graph.output)
+        ]
     floats = {
         init.name: numpy_helper.to_array(init)
         for init in graph.initializer

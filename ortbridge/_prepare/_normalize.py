@@ -54,6 +54,10 @@ def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.
     - Quantized weights (an integer initializer read by ``DequantizeLinear``)
       become float weights under fake quantization
       (:func:`.quantized.lift_quantized_weights`).
+    - A graph output that is a graph input (the input handed back) gets a
+      name of its own, an ``Identity`` of the input: onnx-ad names the
+      input's gradient after it and refuses the clash, and onnxruntime
+      1.19.2's gradient builder fails on it or kills the process.
     - Unnamed nodes get a name.
     - An ai.onnx opset below 13 is converted to 13: the gradient builder
       writes nodes in the forms of recent opsets (a ``Gemm`` without ``C``).
@@ -77,6 +81,7 @@ def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.
     if wrong_shapes is not None:
         wrong_shapes.extend(replaced)
     graph = model.graph
+    _passed_inputs_copied(graph)
     declared = detach_output_shapes(graph)
     types, shapes = _infer(model)
     outputs_as_computed(graph, declared, shapes)
@@ -133,6 +138,18 @@ def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.
                 if not node.output[pos]:
                     node.output[pos] = _unique(f"{node.output[0]}_ln_stat", taken)
     return model
+
+
+def _passed_inputs_copied(graph: onnx.GraphProto) -> None:
+    """Each graph output that is a graph input as an ``Identity`` of it."""
+    inputs = {i.name for i in graph.input}
+    taken = None
+    for output in graph.output:
+        if output.name in inputs:
+            taken = taken if taken is not None else _all_names(graph)
+            copy = _unique(f"{output.name}_passed", taken)
+            graph.node.append(helper.make_node("Identity", [output.name], [copy], name=copy))
+            output.name = copy
 
 
 #: Lowest ai.onnx opset handed to the gradient builder.

@@ -35,7 +35,13 @@ import torch
 from ortbridge._prepare._onnx_utils import set_input_shapes
 from ortbridge._runtime import _ort
 from ortbridge._runtime._errors import translate
-from ortbridge._runtime._runs import from_ortvalues, ort_device, to_ortvalues
+from ortbridge._runtime._runs import (
+    _with_fed,
+    fed_outputs,
+    from_ortvalues,
+    ort_device,
+    to_ortvalues,
+)
 from ortbridge._runtime._sessions import _session
 from ortbridge._runtime._threads import UNPINNED
 from ortbridge.exceptions import OnnxModelError, OrtBridgeError
@@ -375,12 +381,14 @@ class _Built:
         self.fw_outputs = fw_outputs
         self.bw_inputs = [i.name for i in parts.backward.graph.input]
         self.bw_outputs = [o.name for o in parts.backward.graph.output]
+        self._fw_fed = fed_outputs(self.fw_inputs, self.fw_outputs)
+        self._bw_fed = fed_outputs(self.bw_inputs, self.bw_outputs)
         self._loading = (device, session_options, providers, threads)
         # Sessions are made on the first run: a graph for other shapes (or
         # the shape-generic one) may be what runs.
         self.fw_session = self.fw_pinning = self.bw_session = self.bw_pinning = None
         self.split = parts
-        dev = ort_device(device)
+        dev = self._ort_device = ort_device(device)
         self._fw_devices = [dev] * len(self.fw_outputs)
         self._bw_devices = [dev] * len(self.bw_outputs)
         self._run_options = _ort.runtime().RunOptions()
@@ -406,7 +414,8 @@ class _Built:
     def _run(self, session, pinning, names, tensors, out_names, devices, where):
         outputs = self._capi.OrtValueVector()
         try:
-            feeds = to_ortvalues(tensors)  # outside the run the pinning times
+            # Outside the run the pinning times; ``held`` lives until the run ends.
+            feeds, held = to_ortvalues(tensors, self._ort_device)
             with pinning or UNPINNED:
                 session._sess.run_with_ortvaluevector(
                     self._run_options, names, feeds, out_names, outputs, devices
@@ -414,7 +423,8 @@ class _Built:
         except Exception as exc:
             graph = self.split.forward if where == "forward" else self.split.backward
             raise translate(exc, f"run the {where} pass", graph) from exc
-        return from_ortvalues(outputs)
+        fed = self._fw_fed if where == "forward" else self._bw_fed
+        return _with_fed(from_ortvalues(outputs), fed, held)
 
     def _draw_masks(self, tensors):
         masks = []

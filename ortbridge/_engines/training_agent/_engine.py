@@ -158,7 +158,7 @@ class GradientGraph(SessionHolder):
             tensors = [tensors[i] for i in self.feed_order]
         if seed is not None:
             C.set_seed(int(seed))
-        inputs = to_ortvalues(tensors)
+        inputs, held = to_ortvalues(tensors)
         outputs = C.OrtValueVector()
         state = C.PartialGraphExecutionState()
         try:
@@ -171,7 +171,7 @@ class GradientGraph(SessionHolder):
         # its own copy. Copying an output is far cheaper than running without
         # memory patterns (measured: a whole MLP step 25% slower).
         outputs = [t.clone() for t in from_ortvalues(outputs)]
-        return outputs, () if seed is None else (seed,), state
+        return outputs, () if seed is None else (seed,), _Paused(state, held)
 
     def backward(self, grad_outputs, state, residuals=(), tensors=None, saved_outputs=None):
         """Resume ``state``; the gradients, one per ``grad_targets``/``grad_slots``.
@@ -182,16 +182,27 @@ class GradientGraph(SessionHolder):
         same masks), else from where onnxruntime's generator stands.
         """
         C = _capi()
-        if state is None:
-            _, _, state = self._forward(tensors, residuals[0] if residuals else None)
-        inputs = to_ortvalues(grad_outputs)
+        paused = state  # held to the end: the run reads the forward's feeds
+        if paused is None:
+            _, _, paused = self._forward(tensors, residuals[0] if residuals else None)
+        inputs, held = to_ortvalues(grad_outputs)
         outputs = C.OrtValueVector()
         try:
             with self.pinning or UNPINNED:
-                self.agent.run_backward(inputs, outputs, state)
+                self.agent.run_backward(inputs, outputs, paused.state)
         except Exception as exc:
             raise translate(exc, "run the backward pass", self._forward_model) from exc
         return from_ortvalues(outputs)
+
+
+class _Paused:
+    """A forward's execution state and the tensors its feeds wrap: the state
+    reads those feeds again in the backward, and the values do not own them."""
+
+    __slots__ = ("state", "fed")
+
+    def __init__(self, state, fed):
+        self.state, self.fed = state, fed
 
 
 def _builder_error(exc: Exception, model: onnx.ModelProto) -> Exception:
