@@ -85,7 +85,9 @@ def lora(
     names
         Glob patterns (``fnmatch``) of the ONNX initializer names to adapt,
         for instance ``"*attn*"``; default: every weight a MatMul, Gemm or
-        Conv reads as its weight (2 or more axes, not a bias).
+        Conv (or onnxruntime's FusedMatMul and Attention: its packed
+        query-key-value weight, one update for the three) reads as its
+        weight (2 or more axes, not a bias).
     freeze
         Freeze every ONNX weight of the module (``requires_grad=False``), so
         that only the adapters train.

@@ -21,6 +21,7 @@ import torch
 from conftest import scaled_atol
 
 from ortbridge import OnnxModule
+from ortbridge.adapters import lora
 
 
 def _optimizer():
@@ -164,6 +165,44 @@ def test_a_float16_bert_trains_close_to_its_float32_twin(bert, form, tmp_path):
     layer.save(saved)
     assert set(trained) <= _halves(saved)
     assert _fused_ops(saved) == _fused_ops(path)
+    # Adapters on the 12 products (attention not fused here) over float32
+    # master weights (Adam's eps is 0 in float16), merged back in float16.
+    _lora_trains_and_comes_back_fused(path, (ids, mask), tmp_path, 12, torch.float32)
+    assert set(trained) <= _halves(tmp_path / "lora-merged.onnx")
+
+
+def _lora_trains_and_comes_back_fused(path, inputs, tmp_path, n_products: int, dtype=None):
+    """``lora`` on a fused file: an update on each product weight (attention's
+    packed one included), only the adapters train, a few steps lower a loss,
+    and the merged file keeps the fused nodes and runs as the module."""
+    layer = OnnxModule(path, dtype=dtype)
+    adapters = lora(layer, rank=2)
+    assert len(adapters) == 2 * n_products
+    assert not any(p.requires_grad for _, p in layer.named_onnx_parameters())
+    optimizer = torch.optim.Adam(adapters, lr=1e-2)
+    weights = None
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        out = layer(*inputs)
+        weights = (
+            torch.linspace(-1, 1, out.numel()).reshape(out.shape) if weights is None else weights
+        )
+        loss = (out.float() * weights).sum()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    saved = tmp_path / "lora-merged.onnx"
+    layer.save(saved)
+    assert _fused_ops(saved) == _fused_ops(path)
+    session = onnxruntime.InferenceSession(str(saved))
+    feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
+    theirs = session.run(None, feeds)[0]
+    layer.eval()
+    with torch.no_grad():
+        mine = layer(*inputs).float().numpy()
+    np.testing.assert_allclose(mine, theirs.astype(np.float32), atol=scaled_atol(1e-4, theirs))
 
 
 def _torch_gradient_like(value: np.ndarray, params: dict) -> torch.Tensor | None:
@@ -237,6 +276,8 @@ def test_a_bert_with_fused_attention_trains_as_torch(tmp_path):
     trained = dict(layer.named_onnx_parameters())
     assert len(trained) == len(layer._weight_names) >= 16
     _assert_trains_as_torch(layer, model, (ids, mask))
+    # Attention's packed weight (one per layer) and the feed-forward products.
+    _lora_trains_and_comes_back_fused(path, (ids, mask), tmp_path, 8)
 
 
 def test_float32_master_weights_of_a_float16_file(bert, tmp_path):
@@ -274,13 +315,21 @@ def test_float32_master_weights_of_a_float16_file(bert, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name, model_type", [("gpt2", "gpt2"), ("vit", "vit")], ids=["gpt2", "vit"]
+    "name, model_type, fused",
+    [
+        ("gpt2", "gpt2", "SkipLayerNormalization"),
+        ("vit", "vit", "SkipLayerNormalization"),
+        ("llama", "gpt2", "SkipSimplifiedLayerNormalization"),
+        ("t5-encoder", "t5", "SkipSimplifiedLayerNormalization"),
+    ],
+    ids=["gpt2", "vit", "llama", "t5-encoder"],
 )
-def test_other_optimized_architectures_train_as_torch(name, model_type, tmp_path):
-    """GPT-2 (SkipLayerNormalization, FastGelu: GPT-2's own tanh GELU) and ViT
-    (SkipLayerNormalization, BiasGelu), each as the optimizer writes it from
-    transformers' model: outputs and every trained weight's gradient against
-    torch's."""
+def test_other_optimized_architectures_train_as_torch(name, model_type, fused, tmp_path):
+    """GPT-2 (SkipLayerNormalization, FastGelu: GPT-2's own tanh GELU), ViT
+    (SkipLayerNormalization, BiasGelu), a Llama-style decoder and T5's encoder
+    (RMS norms: SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization),
+    each as the optimizer writes it from transformers' model: outputs and
+    every trained weight's gradient against torch's."""
     from _transformers_zoo import exported
 
     optimize_model = _optimizer()
@@ -291,11 +340,18 @@ def test_other_optimized_architectures_train_as_torch(name, model_type, tmp_path
     optimize_model(source, model_type=model_type, num_heads=2, hidden_size=16).save_model_to_file(
         path
     )
-    assert _fused_ops(path)["SkipLayerNormalization"] == 4
+    assert _fused_ops(path)[fused] == 4
     layer = OnnxModule(path)
     trained = dict(layer.named_onnx_parameters())
-    assert len(trained) >= 25
+    assert len(trained) >= 19
     _assert_trains_as_torch(layer, model, inputs)
+    _lora_trains_and_comes_back_fused(path, inputs, tmp_path, PRODUCTS[name])
+
+
+#: The product weights ``lora`` adapts in each optimized file: two layers'
+#: attention and feed-forward products (GPT-2: 4 a layer, Llama's gated
+#: feed-forward 7, T5 6), and ViT's patch-embedding Conv.
+PRODUCTS = {"gpt2": 8, "vit": 13, "llama": 14, "t5-encoder": 12}
 
 
 #: A published float16 file: slovorez's test model (tf2onnx 1.17, int32 ids in,

@@ -330,13 +330,23 @@ def gradient_cut(model: onnx.ModelProto, name: str) -> tuple[onnx.NodeProto, str
 
 
 #: Operand positions holding a product's weight (not its bias), per op type.
-_PRODUCT_WEIGHT_SLOTS = {"MatMul": {0, 1}, "Gemm": {0, 1}, "Conv": {1}, "ConvTranspose": {1}}
+_PRODUCT_WEIGHT_SLOTS = {
+    "MatMul": {0, 1},
+    "Gemm": {0, 1},
+    "Conv": {1},
+    "ConvTranspose": {1},
+    # onnxruntime's fusions (com.microsoft): a product's factors, attention's
+    # packed query-key-value weight (one update spans the three projections)
+    "FusedMatMul": {0, 1},
+    "Attention": {1},
+}
 
 
 def product_weights(model: onnx.ModelProto) -> set[str]:
-    """Float initializers a MatMul, Gemm, Conv or ConvTranspose of the main graph
-    reads as its weight, directly or through layout ops (dynamo's transposed
-    Linear weights): where low-rank adapters go (:func:`ortbridge.adapters.lora`)."""
+    """Float initializers a MatMul, Gemm, Conv or ConvTranspose (or onnxruntime's
+    FusedMatMul and Attention) of the main graph reads as its weight, directly
+    or through layout ops (dynamo's transposed Linear weights): where low-rank
+    adapters go (:func:`ortbridge.adapters.lora`)."""
     graph = model.graph
     floats = {i.name for i in graph.initializer if i.data_type in FLOAT_TYPES}
     # A quantized weight (lifted, :mod:`.quantized`) reaches its product through its pair.
