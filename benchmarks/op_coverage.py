@@ -1,7 +1,9 @@
 """Which ONNX operators the onnxruntime engine trains: ONNX's node test suite, gradients checked.
 
 Every case of ``onnx.backend.test.case.node`` (each op's own cases, and the
-variants with a function op expanded into its body) goes through
+variants with a function op expanded into its body), and a case of each
+com.microsoft fused node onnxruntime's transformer optimizer writes
+(:mod:`ortbridge._coverage._contrib`, rows ``com.microsoft.<op>``), goes through
 ``OnnxModule(..., backend="onnxruntime")``: float inputs require grad, the
 rest become initializers; outputs are compared with onnxruntime inference of
 the same graph, input gradients for a random cotangent with central finite
@@ -32,6 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ortbridge import _coverage  # noqa: E402
+from ortbridge._coverage._contrib import contrib_cases  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,6 +44,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", help="comma-separated op types (default: all)")
     parser.add_argument(
         "--no-expanded", action="store_true", help="skip the function-expanded variants"
+    )
+    parser.add_argument(
+        "--no-contrib", action="store_true", help="skip onnxruntime's com.microsoft fused nodes"
     )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
@@ -62,6 +68,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     ops = args.ops.split(",") if args.ops else None
     cases = _coverage.node_cases(ops, expanded=not args.no_expanded)
+    if not args.no_contrib:
+        cases += contrib_cases(ops)
     collected = time.perf_counter() - start
     print(f"{len(cases)} cases collected in {collected:.1f} s; {args.workers} worker(s)")
 

@@ -1,0 +1,141 @@
+"""onnxruntime's com.microsoft fused nodes as node cases (beside ONNX's own).
+
+One node per case, as onnxruntime's transformer optimizer writes them, its
+float inputs the ones differentiated (weights too), its reference outputs
+onnxruntime's fused kernel's. The harness checks them as ONNX's node cases
+(``tests/test_contrib_coverage.py``; ``benchmarks/op_coverage.py`` adds
+their rows to the op-coverage table). The onnxruntime engine writes each
+node as the standard ops it fuses
+(:mod:`ortbridge._engines.onnxruntime._ad_rewrites_fused`): a wrong
+decomposition shows as a ``wrong`` case.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto as T
+from onnx import helper as h
+
+from ._cases import NodeCase
+
+_MS = "com.microsoft"
+
+
+def _random(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _case(
+    name, op_type, inputs: dict, outputs: list[str], types=(), domain=_MS, **attrs
+) -> NodeCase:
+    """``op_type`` reading ``inputs`` (name -> value; a blank name skips a slot); ``types``:
+    the outputs' element types after the first (float)."""
+    slots = [k if k.strip() else "" for k in inputs]  # blank names: empty slots
+    node = h.make_node(op_type, slots, outputs, name, domain=domain, **attrs)
+    given = {k: v for k, v in inputs.items() if k.strip()}
+    elem = {np.dtype(np.float32): T.FLOAT, np.dtype(np.int32): T.INT32}
+    graph = h.make_graph(
+        [node], name,
+        [h.make_tensor_value_info(k, elem[v.dtype], list(v.shape)) for k, v in given.items()],
+        [h.make_tensor_value_info(o, t, None)
+         for o, t in zip([o for o in outputs if o], (T.FLOAT, *types))],
+    )  # fmt: skip
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(_MS, 1)])
+    model.ir_version = 9
+    import onnxruntime  # the reference: the fused kernel
+
+    reference = onnxruntime.InferenceSession(model.SerializeToString()).run(None, given)
+    return NodeCase(name, op_type, domain, False, model, list(given.values()), reference)
+
+
+def _lengths(*values):
+    return np.array(values, np.int32)
+
+
+CASES = {
+    "skip_layer_norm": lambda: _case(
+        "skip_layer_norm", "SkipLayerNormalization",
+        {"x": _random(2, 3, 8), "skip": _random(2, 3, 8, seed=1), "gamma": _random(8, seed=2),
+         "beta": _random(8, seed=3), "bias": _random(8, seed=4)},
+        ["y"], epsilon=1e-5,
+    ),
+    "skip_layer_norm_sum_output": lambda: _case(
+        "skip_layer_norm_sum_output", "SkipLayerNormalization",
+        {"x": _random(2, 3, 8), "skip": _random(2, 3, 8, seed=1), "gamma": _random(8, seed=2)},
+        ["y", "", "", "sum"], (T.FLOAT,), epsilon=1e-5,
+    ),
+    "simplified_layer_norm": lambda: _case(
+        "simplified_layer_norm", "SimplifiedLayerNormalization",
+        {"x": _random(2, 3, 8), "gamma": _random(8, seed=2)}, ["y"], domain="", epsilon=1e-5,
+        axis=-1,
+    ),
+    "skip_simplified_layer_norm": lambda: _case(
+        "skip_simplified_layer_norm", "SkipSimplifiedLayerNormalization",
+        {"x": _random(2, 3, 8), "skip": _random(2, 3, 8, seed=1), "gamma": _random(8, seed=2)},
+        ["y"], epsilon=1e-5,
+    ),
+    "bias_gelu": lambda: _case(
+        "bias_gelu", "BiasGelu", {"a": _random(2, 3, 8), "b": _random(8, seed=1)}, ["y"]
+    ),
+    "fast_gelu": lambda: _case(
+        "fast_gelu", "FastGelu", {"x": _random(2, 3, 8), "bias": _random(8, seed=1)}, ["y"]
+    ),
+    "gelu": lambda: _case("gelu", "Gelu", {"x": _random(2, 3, 8)}, ["y"]),
+    "fused_matmul": lambda: _case(
+        "fused_matmul", "FusedMatMul", {"a": _random(2, 4, 3), "b": _random(2, 5, 4, seed=1)},
+        ["y"], alpha=0.5, transA=1, transB=1,
+    ),
+    "attention_mask_index": lambda: _case(
+        "attention_mask_index", "Attention",
+        {"x": _random(2, 5, 8), "w": _random(8, 24, seed=1) * 0.3, "bias": _random(24, seed=2),
+         "mask": _lengths(5, 3)},
+        ["y"], num_heads=2,
+    ),
+    "attention_raw_mask": lambda: _case(
+        "attention_raw_mask", "Attention",
+        {"x": _random(2, 5, 8), "w": _random(8, 24, seed=1) * 0.3, "bias": _random(24, seed=2),
+         "mask": np.array([[1, 1, 1, 1, 1], [1, 1, 0, 1, 0]], np.int32)},
+        ["y"], num_heads=2,
+    ),
+    "attention_unidirectional": lambda: _case(
+        "attention_unidirectional", "Attention",
+        {"x": _random(2, 5, 8), "w": _random(8, 24, seed=1) * 0.3, "bias": _random(24, seed=2)},
+        ["y"], num_heads=2, unidirectional=1,
+    ),
+    "multi_head_attention": lambda: _case(
+        "multi_head_attention", "MultiHeadAttention",
+        {"q": _random(2, 4, 8), "k": _random(2, 6, 8, seed=1), "v": _random(2, 6, 8, seed=2),
+         "bias": _random(24, seed=3) * 0.3,
+         "key_padding_mask": np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], np.int32)},
+        ["y"], num_heads=2,
+    ),
+    "multi_head_attention_bias": lambda: _case(
+        "multi_head_attention_bias", "MultiHeadAttention",
+        {"q": _random(2, 4, 8), "k": _random(2, 6, 8, seed=1), "v": _random(2, 6, 8, seed=2),
+         "": np.zeros(0, np.float32), " ": np.zeros(0, np.int32),
+         "attention_bias": _random(1, 2, 4, 6, seed=4)},
+        ["y"], num_heads=2,
+    ),
+    "embed_layer_norm": lambda: _case(
+        "embed_layer_norm", "EmbedLayerNormalization",
+        {"ids": np.array([[1, 4, 2, 9, 3], [0, 5, 5, 7, 1]], np.int32),
+         "segments": np.array([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]], np.int32),
+         "words": _random(10, 8), "positions": _random(16, 8, seed=1),
+         "segment_table": _random(2, 8, seed=2), "gamma": _random(8, seed=3),
+         "beta": _random(8, seed=4),
+         "mask": np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], np.int32)},
+        ["y", "mask_index"], (T.INT32,), epsilon=1e-5,
+    ),
+}  # fmt: skip
+
+
+#: Cases onnxruntime before 1.20 runs otherwise (its MultiHeadAttention
+#: kernel reads the mask and bias differently): the engine refuses them there.
+NEWER = frozenset({"multi_head_attention", "multi_head_attention_bias"})
+
+
+def contrib_cases(op_keys=None) -> list[NodeCase]:
+    """The fused-node cases (all, or those of ``op_keys``: ``com.microsoft.Attention``,
+    ``SimplifiedLayerNormalization``), references computed now."""
+    cases = [build() for build in CASES.values()]
+    return [case for case in cases if op_keys is None or case.op_key in op_keys]
