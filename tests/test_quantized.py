@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import warnings
 
 import numpy as np
 import onnx
@@ -778,3 +779,117 @@ def test_weights_behind_a_node_no_engine_differentiates_stay_frozen_and_are_name
     # Asked for by name, a weight before it is refused naming the node.
     with pytest.raises(NotDifferentiableError, match="DynamicQuantizeLSTM"):
         OnnxModule(path, trainable=["model.in_proj.bias"])
+
+
+class _Products(torch.nn.Module):
+    """Products of constant weights (``x @ w``: MatMul nodes, which the 4-bit
+    quantizer packs), widths that leave the last block of 32 partial."""
+
+    def __init__(self):
+        super().__init__()
+        widths = [64, 48, 40, 8]
+        self.w = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(k, n) / k**0.5) for k, n in zip(widths, widths[1:])
+        )
+        self.b = torch.nn.ParameterList(
+            torch.nn.Parameter(0.1 * torch.randn(n)) for n in widths[1:]
+        )
+
+    def forward(self, x):
+        for i, (w, b) in enumerate(zip(self.w, self.b)):
+            x = x @ w + b
+            x = torch.tanh(x) if i < len(self.w) - 1 else x
+        return x
+
+
+def _dequantized_4bit(model: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarray:
+    """The float weight (K, N) a MatMulNBits node reads, unpacked with numpy."""
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    k, n, block = attrs["K"], attrs["N"], attrs["block_size"]
+    packed = inits[node.input[1]]  # (N, blocks, block / 2)
+    values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1, block)
+    blocks = values.shape[1]
+    if len(node.input) > 3 and node.input[3]:
+        zp = inits[node.input[3]].reshape(n, -1)
+        zero = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(n, -1)[:, :blocks]
+    else:
+        zero = np.full((n, blocks), 8)
+    scales = inits[node.input[2]].reshape(n, blocks, 1)
+    weight = (values.astype(np.float32) - zero[..., None]) * scales
+    return weight.reshape(n, -1)[:, :k].T
+
+
+def test_a_4bit_weight_only_file_trains_around_its_frozen_products(tmp_path):
+    """onnxruntime's 4-bit quantizer (MatMulNBits, blockwise, zero points):
+    the packed products stay a frozen base and the gradient crosses them (it
+    froze every weight before them, with a warning): the biases train, their
+    gradients and the input's equal torch's on the dequantized weights, and
+    the saved file keeps the packed weights as they were."""
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer as Q
+    except ImportError:  # 1.19's MatMul4BitsQuantizer: the training build lacks its kernel
+        pytest.skip(
+            f"onnxruntime {onnxruntime.__version__}'s training build cannot pack 4-bit weights "
+            "(no quantize_matmul_4bits): its quantizer writes no MatMulNBits file"
+        )
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 64)
+    source = export_torchscript(_Products(), (x,), input_names=["x"])
+    quantizer = Q(source, block_size=32, is_symmetric=False)
+    quantizer.process()
+    model = quantizer.model.model
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 3
+    path = tmp_path / "int4.onnx"
+    onnx.save(model, path)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing frozen now
+        layer = OnnxModule(path)
+    trained = dict(layer.named_onnx_parameters())
+    assert len(trained) == 3 and not any("scales" in n for n in trained), sorted(trained)
+    # torch's reference: the same products with the dequantized weights
+    weights = [torch.from_numpy(_dequantized_4bit(model, n)) for n in nbits]
+    adds = [n for n in model.graph.node if n.op_type == "Add"]
+    bias_names = [next(i for i in n.input if i in trained) for n in adds]
+    ref_biases = [trained[b].detach().clone().requires_grad_() for b in bias_names]
+    xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = layer(xr)
+    ref = xt
+    for i, (w, b) in enumerate(zip(weights, ref_biases)):
+        ref = ref @ w + b
+        ref = torch.tanh(ref) if i < 2 else ref
+    expected = onnxruntime.InferenceSession(str(path)).run(None, {"x": x.numpy()})[0]
+    np.testing.assert_allclose(out.detach().numpy(), expected, atol=scaled_atol(1e-5, expected))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=scaled_atol(1e-5, ref))
+    cotangent = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * cotangent).sum().backward()
+    (ref * cotangent).sum().backward()
+    torch.testing.assert_close(xr.grad, xt.grad, rtol=1e-4, atol=scaled_atol(1e-5, xt.grad))
+    for name, want in zip(bias_names, ref_biases):
+        torch.testing.assert_close(trained[name].grad, want.grad, rtol=1e-4, atol=1e-6)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = (layer(x) * cotangent).sum()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    saved = tmp_path / "fine-tuned.onnx"
+    layer.save(saved)
+    back = onnx.load(saved)
+    packed = {i.name: i for i in model.graph.initializer if i.data_type == T.UINT8}
+    assert packed and all(
+        np.array_equal(onnx.numpy_helper.to_array(i), onnx.numpy_helper.to_array(packed[i.name]))
+        for i in back.graph.initializer
+        if i.name in packed
+    )
+    assert sum(n.op_type == "MatMulNBits" for n in back.graph.node) == 3
+    theirs = onnxruntime.InferenceSession(str(saved)).run(None, {"x": x.numpy()})[0]
+    with torch.no_grad():
+        mine = layer.eval()(x).numpy()
+    np.testing.assert_allclose(mine, theirs, atol=scaled_atol(1e-5, theirs))

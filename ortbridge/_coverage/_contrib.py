@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto as T
 from onnx import helper as h
+from onnx import numpy_helper
 
 from ._cases import NodeCase
 
@@ -26,19 +27,21 @@ def _random(*shape, seed=0):
 
 
 def _case(
-    name, op_type, inputs: dict, outputs: list[str], types=(), domain=_MS, **attrs
+    name, op_type, inputs: dict, outputs: list[str], types=(), domain=_MS, constants=(), **attrs
 ) -> NodeCase:
     """``op_type`` reading ``inputs`` (name -> value; a blank name skips a slot); ``types``:
-    the outputs' element types after the first (float)."""
+    the outputs' element types after the first (float); ``constants``: the
+    inputs that are initializers (a weight the node does not differentiate)."""
     slots = [k if k.strip() else "" for k in inputs]  # blank names: empty slots
     node = h.make_node(op_type, slots, outputs, name, domain=domain, **attrs)
-    given = {k: v for k, v in inputs.items() if k.strip()}
+    given = {k: v for k, v in inputs.items() if k.strip() and k not in constants}
     elem = {np.dtype(np.float32): T.FLOAT, np.dtype(np.int32): T.INT32}
     graph = h.make_graph(
         [node], name,
         [h.make_tensor_value_info(k, elem[v.dtype], list(v.shape)) for k, v in given.items()],
         [h.make_tensor_value_info(o, t, None)
          for o, t in zip([o for o in outputs if o], (T.FLOAT, *types))],
+        [numpy_helper.from_array(inputs[k], k) for k in constants],
     )  # fmt: skip
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(_MS, 1)])
     model.ir_version = 9
@@ -46,6 +49,20 @@ def _case(
 
     reference = onnxruntime.InferenceSession(model.SerializeToString()).run(None, given)
     return NodeCase(name, op_type, domain, False, model, list(given.values()), reference)
+
+
+def _packed_4bit(n: int, k: int, block: int, seed: int) -> dict:
+    """A random 4-bit blockwise weight as MatMulNBits reads it: packed values
+    (low nibble first), a scale per block, zero points packed likewise."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-k // block)
+    values = rng.integers(0, 16, (n, blocks, block), dtype=np.uint8)
+    zero = rng.integers(0, 16, (n, 2 * (-(-blocks // 2))), dtype=np.uint8)
+    return {
+        "packed": values[..., 0::2] | (values[..., 1::2] << 4),
+        "scales": (rng.random(n * blocks) * 0.1 + 0.02).astype(np.float32),
+        "zero_points": (zero[:, 0::2] | (zero[:, 1::2] << 4)).reshape(-1),
+    }
 
 
 def _lengths(*values):
@@ -125,6 +142,13 @@ CASES = {
          "beta": _random(8, seed=4),
          "mask": np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], np.int32)},
         ["y", "mask_index"], (T.INT32,), epsilon=1e-5,
+    ),
+    "matmul_nbits": lambda: _case(
+        "matmul_nbits", "MatMulNBits",
+        {"a": _random(2, 3, 40), **_packed_4bit(24, 40, 16, seed=5), " ": np.zeros(0),
+         "bias": _random(24, seed=6)},
+        ["y"], constants=("packed", "scales", "zero_points"), K=40, N=24, bits=4,
+        block_size=16,
     ),
 }  # fmt: skip
 

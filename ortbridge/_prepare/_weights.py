@@ -76,6 +76,9 @@ NON_DIFFERENTIABLE_SLOTS = {
     "CumSum": {1},
     "QuantizeLinear": {1, 2},
     "DequantizeLinear": {1, 2},
+    # onnxruntime's 4-bit weight-only product: packed weight, scales, zero
+    # points and group index stay as the file has them (a frozen base)
+    "MatMulNBits": {1, 2, 3, 4},
 }
 #: Ops a gradient passes straight through (fake quantization, :mod:`.quantized`):
 #: from the float output to the data input, through the integers between.

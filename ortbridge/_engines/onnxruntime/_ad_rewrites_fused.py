@@ -27,6 +27,14 @@ to float rounding). Inference sessions run the file's fused kernels.
   past state): the same, with its packed bias, key padding mask and
   attention bias (the mask and the bias from onnxruntime 1.20: 1.19's
   kernel reads them otherwise). Other forms are left: refused by name.
+- ``MatMulNBits`` (4 bits, the quantizer's blockwise weight-only form): the
+  input times the weight dequantized from its packed blocks (low nibble
+  first, ``(q - zero point) * scale`` per block, zero point 8 when absent),
+  so that the gradient reaches the input and the weights before the node;
+  the packed weight, scales and zero points are not differentiated (frozen:
+  :data:`ortbridge._prepare._weights.NON_DIFFERENTIABLE_SLOTS`). The
+  forward of the gradient graph multiplies in float, as accuracy level 0
+  does (a higher level rounds the input to int8 in the kernel).
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ FUSED = frozenset(
     {
         "SkipLayerNormalization", "SimplifiedLayerNormalization",
         "SkipSimplifiedLayerNormalization", "BiasGelu", "FastGelu", "Gelu", "FusedMatMul",
-        "Attention", "MultiHeadAttention", "EmbedLayerNormalization",
+        "Attention", "MultiHeadAttention", "EmbedLayerNormalization", "MatMulNBits",
     }
 )  # fmt: skip
 
@@ -201,6 +209,62 @@ class _Writer:
         else:
             self.op("Mul", [self.op("MatMul", [a, b]), self.const(alpha)], self._out(0))
         return self.out
+
+    def MatMulNBits(self):
+        node = self.node
+        k, n = attr(node, "K", 0), attr(node, "N", 0)
+        block = attr(node, "block_size", 0)
+        if attr(node, "bits", 4) != 4 or self._in(4) or not (k and n and block):
+            return None  # other widths, a group index: left (refused by name)
+        blocks = -(-k // block)
+        packed, scales, zero_points, bias = self._in(1), self._in(2), self._in(3), self._in(5)
+        q = self._nibbles(packed, [n, blocks * block])  # [N, blocks * block], integers
+        if not zero_points:
+            zero = self.const(8.0)
+        elif self._float(zero_points):
+            zero = self.op("Reshape", [zero_points, self._axes([n, blocks, 1])])
+        else:  # packed like the weight, two blocks a byte, padded to whole bytes
+            pairs = -(-blocks // 2)
+            unpacked = self._nibbles(zero_points, [n, 2 * pairs])
+            first = self.op("Slice", [unpacked, self._axes([0]), self._axes([blocks]),
+                                      self._axes([1])])  # fmt: skip
+            zero = self.op("Reshape", [first, self._axes([n, blocks, 1])])
+        grouped = self.op("Reshape", [q, self._axes([n, blocks, block])])
+        per_block = self.op("Reshape", [scales, self._axes([n, blocks, 1])])
+        weight = self.op("Mul", [self.op("Sub", [grouped, zero]), per_block])
+        rows = self.op("Reshape", [weight, self._axes([n, blocks * block])])
+        if blocks * block != k:  # the last block's padding
+            rows = self.op("Slice", [rows, self._axes([0]), self._axes([k]), self._axes([1])])
+        product = self.op("MatMul", [self._in(0), self.op("Transpose", [rows], perm=[1, 0])])
+        if bias:
+            self.op("Add", [product, bias], self._out(0))
+        else:
+            self.out[-1].output[0] = self._out(0)
+        return self.out
+
+    def _float(self, name: str) -> bool:
+        """Whether initializer or graph input ``name`` holds floats."""
+        for init in self.graph.initializer:
+            if init.name == name:
+                return init.data_type in FLOAT_TYPES
+        for value in self.graph.input:
+            if value.name == name:
+                return value.type.tensor_type.elem_type in FLOAT_TYPES
+        return False
+
+    def _nibbles(self, packed: str, shape: list[int]) -> str:
+        """uint8 bytes as their 4-bit values in this float type, low nibble
+        first, reshaped to ``shape``."""
+        wide = self.op("Cast", [packed], to=TensorProto.INT32)
+        sixteen = self._name("sixteen")
+        self.graph.initializer.append(numpy_helper.from_array(np.array(16, np.int32), sixteen))
+        high = self.op("Div", [wide, sixteen])
+        low = self.op("Sub", [wide, self.op("Mul", [high, sixteen])])
+        last = self._axes([-1])
+        pairs = self.op("Concat", [self.op("Unsqueeze", [low, last]),
+                                   self.op("Unsqueeze", [high, last])], axis=-1)  # fmt: skip
+        flat = self.op("Reshape", [pairs, self._axes(shape)])
+        return self.op("Cast", [flat], to=self.elem)
 
     def _shape_part(self, x: str, index: int) -> str:
         """Dimension ``index`` of ``x``, as a one-element int64 tensor."""
