@@ -130,6 +130,20 @@ def _largest(values) -> float:
     return float(values.max()) if values.size else 0.0
 
 
+def assert_adam_lowers(params, loss_fn, steps: int = 5, lr: float = 1e-2) -> list[float]:
+    """A few Adam steps on ``params`` lower ``loss_fn()``; the losses."""
+    optimizer = torch.optim.Adam(params, lr=lr)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    return losses
+
+
 def grads_of(tensors):
     return [None if t.grad is None else t.grad.clone() for t in tensors]
 
