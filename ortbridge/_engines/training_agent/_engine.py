@@ -131,6 +131,10 @@ class GradientGraph(SessionHolder):
                 exc.__cause__ or exc, "load the gradient graph", model, refuse=NAME
             ) from exc
         self._forward_model = model  # names the node of a failure at run time
+        # The user outputs' declared float types: the builder's cast around a
+        # float16 kernel the CPU lacks can leave a yielded output float32.
+        self._declared = [_FLOATS.get(o.type.tensor_type.elem_type) for o in model.graph.output]
+        self._yielded: list | None = None  # the types onnxruntime yields, seen at the first run
         dev = ort_device(device)
         n_fw = self.n_user_outputs + len(self.batch_norm_outputs)
         self.agent = C.TrainingAgent(
@@ -170,7 +174,15 @@ class GradientGraph(SessionHolder):
         # (memory patterns), which backward reuses and then frees: torch gets
         # its own copy. Copying an output is far cheaper than running without
         # memory patterns (measured: a whole MLP step 25% slower).
-        outputs = [t.clone() for t in from_ortvalues(outputs)]
+        outputs = from_ortvalues(outputs)
+        if self._yielded is None:
+            self._yielded = [t.dtype for t in outputs]
+        declared = self._declared
+        outputs = [
+            t.to(declared[i]) if i < len(declared) and declared[i] not in (None, t.dtype)
+            else t.clone()
+            for i, t in enumerate(outputs)
+        ]  # fmt: skip
         return outputs, () if seed is None else (seed,), _Paused(state, held)
 
     def backward(self, grad_outputs, state, residuals=(), tensors=None, saved_outputs=None):
@@ -185,6 +197,12 @@ class GradientGraph(SessionHolder):
         paused = state  # held to the end: the run reads the forward's feeds
         if paused is None:
             _, _, paused = self._forward(tensors, residuals[0] if residuals else None)
+        # The gradients of outputs cast to their declared type go back as yielded.
+        yielded = [
+            t for i, t in enumerate(self._yielded[: self.n_user_outputs])
+            if i not in self.non_differentiable
+        ]  # fmt: skip
+        grad_outputs = [g.to(t) if g.dtype != t else g for g, t in zip(grad_outputs, yielded)]
         inputs, held = to_ortvalues(grad_outputs)
         outputs = C.OrtValueVector()
         try:
@@ -193,6 +211,14 @@ class GradientGraph(SessionHolder):
         except Exception as exc:
             raise translate(exc, "run the backward pass", self._forward_model) from exc
         return from_ortvalues(outputs)
+
+
+_FLOATS = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.FLOAT16: torch.float16,
+    onnx.TensorProto.DOUBLE: torch.float64,
+    onnx.TensorProto.BFLOAT16: torch.bfloat16,
+}
 
 
 class _Paused:
