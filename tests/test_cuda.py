@@ -120,8 +120,9 @@ def test_forward_and_gradients_match_torch_on_the_device(name, device):
 def test_float16_gradients_are_as_close_to_float32_as_torch_s_own(name, device, backend):
     """A model exported in float16 trains in float16: its outputs and gradients
     are as far from the float32 model's as torch's own float16 run is (at most
-    twice, or 1e-3), the outputs float16 on every engine. The training agent refuses the transformer layer's float16
-    graph by name (its LayerNormalization function does not type-check)."""
+    twice, or 1e-3), the outputs float16 on every engine. The training agent
+    refuses the transformer layer's float16 graph by name (its
+    LayerNormalization function does not type-check)."""
     from ortbridge.exceptions import NotDifferentiableError
 
     make, shape = MODELS[name]
