@@ -161,3 +161,56 @@ def write_adapter(params: dict[str, np.ndarray], path: str | os.PathLike) -> Non
         {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}
     )
     adapter.export_adapter(os.fspath(path))
+
+
+def four_bit_products(model: onnx.ModelProto, patterns) -> list[onnx.NodeProto]:
+    """The main graph's MatMulNBits nodes whose packed weight ``patterns`` match
+    (all where None): weights no update can be merged into, adapted beside."""
+    import fnmatch
+
+    return [
+        node
+        for node in model.graph.node
+        if node.op_type == "MatMulNBits"
+        and node.domain == "com.microsoft"
+        and (not patterns or any(fnmatch.fnmatchcase(node.input[1], p) for p in patterns))
+    ]
+
+
+def with_side_adapters(model: onnx.ModelProto, nodes, rank: int, scale: float) -> list[str]:
+    """Put a low-rank branch beside each of ``nodes`` (MatMulNBits) in ``model``:
+    ``Y = MatMulNBits(X) + scale * (X @ A) @ B``, ``A`` (K, rank) drawn as
+    nn.Linear's weight is, ``B`` (rank, N) zeros, float initializers named
+    ``<packed weight>.lora_A`` / ``.lora_B``. In place; the adapters' names."""
+    graph = model.graph
+    types = {i.name: i.data_type for i in graph.initializer}
+    added = []
+    for node in nodes:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        k, n, packed = attrs["K"], attrs["N"], node.input[1]
+        elem = types.get(node.input[2], onnx.TensorProto.FLOAT)  # the scales' float type
+        dtype = helper.tensor_dtype_to_np_dtype(elem)
+        a = torch.empty(rank, k)
+        torch.nn.init.kaiming_uniform_(a, a=5**0.5)  # as LowRank's A (rank, K)
+        a_name, b_name, s_name = f"{packed}.lora_A", f"{packed}.lora_B", f"{packed}.lora_scale"
+        graph.initializer.extend(
+            [
+                numpy_helper.from_array(a.T.numpy().astype(dtype), a_name),
+                numpy_helper.from_array(np.zeros((rank, n), dtype), b_name),
+                numpy_helper.from_array(np.array(scale, dtype), s_name),
+            ]
+        )
+        out = node.output[0]
+        base, down, up, scaled = (f"{out}/lora_{s}" for s in ("base", "down", "up", "scaled"))
+        node.output[0] = base
+        branch = [
+            helper.make_node("MatMul", [node.input[0], a_name], [down], name=f"{packed}/lora_down"),
+            helper.make_node("MatMul", [down, b_name], [up], name=f"{packed}/lora_up"),
+            helper.make_node("Mul", [up, s_name], [scaled], name=f"{packed}/lora_scale"),
+            helper.make_node("Add", [base, scaled], [out], name=f"{packed}/lora_add"),
+        ]
+        at = list(graph.node).index(node) + 1
+        for offset, new in enumerate(branch):
+            graph.node.insert(at + offset, new)
+        added += [a_name, b_name]
+    return added

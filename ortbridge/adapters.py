@@ -87,7 +87,10 @@ def lora(
         for instance ``"*attn*"``; default: every weight a MatMul, Gemm or
         Conv (or onnxruntime's FusedMatMul and Attention: its packed
         query-key-value weight, one update for the three) reads as its
-        weight (2 or more axes, not a bias).
+        weight (2 or more axes, not a bias). A 4-bit ``MatMulNBits``
+        (matched by its packed weight's name) gets its update beside it, a
+        float branch ``scale * (x @ A) @ B`` in the graph: its integers take
+        no merged update; ``save()`` writes the branch with them (QLoRA).
     freeze
         Freeze every ONNX weight of the module (``requires_grad=False``), so
         that only the adapters train.
@@ -106,11 +109,15 @@ def lora(
     if not layers:
         raise TypeError(f"lora() adapts OnnxModule weights; {type(module).__name__} holds none")
     for layer in layers:
+        beside = _side_adapters(layer, patterns, rank, scale)
         if freeze:
-            for _, param in layer.named_onnx_parameters():
-                param.requires_grad_(False)
+            for name, param in layer.named_onnx_parameters():
+                param.requires_grad_(name in beside)
+        adapters.extend(layer.onnx_weight(name) for name in beside)
         for name in sorted(product_weights(_lifted(layer._original))):
-            if patterns and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            if name in beside or (
+                patterns and not any(fnmatch.fnmatchcase(name, p) for p in patterns)
+            ):
                 continue
             if name not in layer._onnx_names:
                 continue
@@ -130,6 +137,38 @@ def lora(
             else "no MatMul, Gemm or Conv reads a weight of the module's graphs"
         )
     return adapters
+
+
+def _side_adapters(layer, patterns, rank: int, scale: float) -> list[str]:
+    """Low-rank branches beside the layer's 4-bit products (MatMulNBits), whose
+    packed integers no update can be merged into: the layer is rebuilt on its
+    file with the branches in it (their ``A`` and ``B`` trainable float
+    weights, ``save()`` writing them as they are; hooks registered on the
+    layer before are dropped). The adapters' names."""
+    from . import _adapter_format
+
+    if not _adapter_format.four_bit_products(layer._original, patterns):
+        return []
+    model = layer.to_onnx()
+    nodes = _adapter_format.four_bit_products(model, patterns)
+    added = _adapter_format.with_side_adapters(model, nodes, rank, scale)
+    trainable = {name for name, _ in layer.named_onnx_parameters()} | set(added)
+    device = next((t.device for t in layer.state_dict().values()), torch.device("cpu"))
+    training = layer.training
+    rebuilt = type(layer)(
+        model,
+        trainable=trainable,
+        providers=layer._providers,
+        session_options=layer._session_options,
+        batch_norm=layer._batch_norm,
+        backend=layer._backend,
+        dtype=layer._master_dtype,
+    )
+    # The same object (a parent module holds it), rebuilt: caches and hooks go.
+    layer.__dict__.clear()
+    layer.__dict__.update(rebuilt.__dict__)
+    layer.to(device).train(training)
+    return added
 
 
 def _lifted(model: onnx.ModelProto) -> onnx.ModelProto:

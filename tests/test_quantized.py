@@ -820,12 +820,8 @@ def _dequantized_4bit(model: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarra
     return weight.reshape(n, -1)[:, :k].T
 
 
-def test_a_4bit_weight_only_file_trains_around_its_frozen_products(tmp_path):
-    """onnxruntime's 4-bit quantizer (MatMulNBits, blockwise, zero points):
-    the packed products stay a frozen base and the gradient crosses them (it
-    froze every weight before them, with a warning): the biases train, their
-    gradients and the input's equal torch's on the dequantized weights, and
-    the saved file keeps the packed weights as they were."""
+def _four_bit_file(tmp_path):
+    """onnxruntime's 4-bit quantizer on :class:`_Products`: (path, model, input)."""
     try:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer as Q
     except ImportError:  # 1.19's MatMul4BitsQuantizer: the training build lacks its kernel
@@ -840,11 +836,20 @@ def test_a_4bit_weight_only_file_trains_around_its_frozen_products(tmp_path):
     quantizer = Q(source, block_size=32, is_symmetric=False)
     quantizer.process()
     model = quantizer.model.model
-    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-    assert len(nbits) == 3
+    assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == 3
     path = tmp_path / "int4.onnx"
     onnx.save(model, path)
+    return path, model, x
 
+
+def test_a_4bit_weight_only_file_trains_around_its_frozen_products(tmp_path):
+    """onnxruntime's 4-bit quantizer (MatMulNBits, blockwise, zero points):
+    the packed products stay a frozen base and the gradient crosses them (it
+    froze every weight before them, with a warning): the biases train, their
+    gradients and the input's equal torch's on the dequantized weights, and
+    the saved file keeps the packed weights as they were."""
+    path, model, x = _four_bit_file(tmp_path)
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing frozen now
         layer = OnnxModule(path)
@@ -881,6 +886,74 @@ def test_a_4bit_weight_only_file_trains_around_its_frozen_products(tmp_path):
         if i.name in packed
     )
     assert sum(n.op_type == "MatMulNBits" for n in back.graph.node) == 3
+    theirs = onnxruntime.InferenceSession(str(saved)).run(None, {"x": x.numpy()})[0]
+    with torch.no_grad():
+        mine = layer.eval()(x).numpy()
+    np.testing.assert_allclose(mine, theirs, atol=scaled_atol(1e-5, theirs))
+
+
+def test_lora_beside_4bit_products_trains_float_adapters_and_saves_them_beside(tmp_path):
+    """``lora`` on a 4-bit file (QLoRA): a float branch ``scale * (x @ A) @ B``
+    beside each MatMulNBits (no update merges into its packed integers), only
+    the adapters train, their gradients equal torch's on the dequantized
+    weights, and the saved file holds the 4-bit products as they were and the
+    adapters beside them in float, which onnxruntime runs as the module."""
+    from ortbridge import lora
+
+    path, model, x = _four_bit_file(tmp_path)
+    layer = OnnxModule(path)
+    before = layer(x).detach()
+    adapters = lora(layer, rank=2, alpha=4)
+    assert len(adapters) == 6
+    trained = {n: p for n, p in layer.named_onnx_parameters() if p.requires_grad}
+    assert sorted(trained) == sorted(
+        f"{n.input[1]}.lora_{ab}" for n in model.graph.node if n.op_type == "MatMulNBits"
+        for ab in "AB"
+    )  # fmt: skip
+    assert all(p.requires_grad for p in adapters)
+    torch.testing.assert_close(layer(x).detach(), before, rtol=0, atol=0)  # B starts at zero
+    with torch.no_grad():  # B away from zero, so that every adapter has a gradient
+        for p in adapters:
+            if p.shape[0] == 2:
+                p.normal_(0, 0.1)
+    # torch's reference: dequantized products plus the same branches
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    weights = [torch.from_numpy(_dequantized_4bit(model, n)) for n in nbits]
+    biases = [layer.onnx_weight(f"b.{i}").detach() for i in range(3)]
+    pairs = [
+        (trained[f"{n.input[1]}.lora_A"].detach().clone().requires_grad_(),
+         trained[f"{n.input[1]}.lora_B"].detach().clone().requires_grad_())
+        for n in nbits
+    ]  # fmt: skip
+    assert len(biases) == 3
+    out = layer(x)
+    ref = x
+    for i, (w, b, (a, up)) in enumerate(zip(weights, biases, pairs)):
+        ref = ref @ w + 2.0 * (ref @ a) @ up + b
+        ref = torch.tanh(ref) if i < 2 else ref
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=scaled_atol(1e-5, ref))
+    cotangent = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * cotangent).sum().backward()
+    (ref * cotangent).sum().backward()
+    for n, (a, up) in zip(nbits, pairs):
+        for got, want in (
+            (trained[f"{n.input[1]}.lora_A"], a),
+            (trained[f"{n.input[1]}.lora_B"], up),
+        ):
+            torch.testing.assert_close(
+                got.grad, want.grad, rtol=1e-4, atol=scaled_atol(1e-6, want.grad)
+            )
+    layer.zero_grad()
+    assert_adam_lowers(adapters, lambda: (layer(x) * cotangent).sum())
+    saved = tmp_path / "qlora.onnx"
+    layer.save(saved)
+    back = onnx.load(saved)
+    assert sum(n.op_type == "MatMulNBits" for n in back.graph.node) == 3
+    packed = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer
+              if i.data_type == T.UINT8}  # fmt: skip
+    for init in back.graph.initializer:
+        if init.name in packed:
+            assert np.array_equal(onnx.numpy_helper.to_array(init), packed[init.name])
     theirs = onnxruntime.InferenceSession(str(saved)).run(None, {"x": x.numpy()})[0]
     with torch.no_grad():
         mine = layer.eval()(x).numpy()
