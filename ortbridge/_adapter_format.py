@@ -165,16 +165,28 @@ def write_adapter(params: dict[str, np.ndarray], path: str | os.PathLike) -> Non
 
 def four_bit_products(model: onnx.ModelProto, patterns) -> list[onnx.NodeProto]:
     """The main graph's MatMulNBits nodes whose packed weight ``patterns`` match
-    (all where None): weights no update can be merged into, adapted beside."""
+    (all where None) and that have no adapter beside them yet: weights no
+    update can be merged into, adapted beside."""
     import fnmatch
 
+    adapted = side_adapters(model)
     return [
         node
         for node in model.graph.node
         if node.op_type == "MatMulNBits"
         and node.domain == "com.microsoft"
+        and f"{node.input[1]}.lora_A" not in adapted
         and (not patterns or any(fnmatch.fnmatchcase(node.input[1], p) for p in patterns))
     ]
+
+
+def side_adapters(model: onnx.ModelProto) -> set[str]:
+    """The adapters of the branches :func:`with_side_adapters` wrote in ``model``."""
+    return {
+        node.input[1]
+        for node in model.graph.node
+        if node.op_type == "MatMul" and node.name.endswith(("/lora_down", "/lora_up"))
+    }
 
 
 def with_side_adapters(model: onnx.ModelProto, nodes, rank: int, scale: float) -> list[str]:

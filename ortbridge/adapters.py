@@ -100,6 +100,7 @@ def lora(
     list of nn.Parameter
         The adapters' parameters, for the optimizer.
     """
+    from . import _adapter_format
     from .module import OnnxModule
 
     patterns = [names] if isinstance(names, str) else names
@@ -108,35 +109,55 @@ def lora(
     layers = [m for m in module.modules() if isinstance(m, OnnxModule)]
     if not layers:
         raise TypeError(f"lora() adapts OnnxModule weights; {type(module).__name__} holds none")
-    for layer in layers:
-        beside = _side_adapters(layer, patterns, rank, scale)
-        if freeze:
-            for name, param in layer.named_onnx_parameters():
-                param.requires_grad_(name in beside)
-        adapters.extend(layer.onnx_weight(name) for name in beside)
-        for name in sorted(product_weights(_lifted(layer._original))):
-            if name in beside or (
-                patterns and not any(fnmatch.fnmatchcase(name, p) for p in patterns)
-            ):
-                continue
-            if name not in layer._onnx_names:
-                continue
-            path = layer._onnx_names[name]
-            owner = layer._owner(path)
-            weight = getattr(owner, path[-1])
-            if weight.dim() < 2 or not weight.is_floating_point():
-                continue
-            update = LowRank(weight.shape, rank, scale, dtype=weight.dtype, device=weight.device)
-            parametrize.register_parametrization(owner, path[-1], update)
-            getattr(owner.parametrizations, path[-1]).original.requires_grad_(False)
-            adapters.extend([update.A, update.B])
-    if not adapters:
+    # What each layer adapts, found before anything changes: a call that
+    # matches nothing leaves the module as it was.
+    planned = [(layer, _float_products(layer, patterns)) for layer in layers]
+    if not any(
+        names or _adapter_format.four_bit_products(layer._original, patterns)
+        for layer, names in planned
+    ):
         raise ValueError(
             f"no product weight matched {patterns}: see OnnxModule.named_onnx_parameters()"
             if patterns
             else "no MatMul, Gemm or Conv reads a weight of the module's graphs"
         )
+    for layer, names in planned:
+        beside = _side_adapters(layer, patterns, rank, scale)
+        if freeze:
+            for name, param in layer.named_onnx_parameters():
+                param.requires_grad_(name in beside)
+        adapters.extend(layer.onnx_weight(name) for name in beside)
+        for name in names:
+            path = layer._onnx_names[name]
+            owner = layer._owner(path)
+            weight = getattr(owner, path[-1])
+            update = LowRank(weight.shape, rank, scale, dtype=weight.dtype, device=weight.device)
+            parametrize.register_parametrization(owner, path[-1], update)
+            getattr(owner.parametrizations, path[-1]).original.requires_grad_(False)
+            adapters.extend([update.A, update.B])
     return adapters
+
+
+def _float_products(layer, patterns) -> list[str]:
+    """The float product weights of ``layer`` an update merges into (matching
+    ``patterns``; not a branch beside a 4-bit product, not yet adapted)."""
+    from . import _adapter_format
+
+    branches = _adapter_format.side_adapters(layer._original)
+    found = []
+    for name in sorted(product_weights(_lifted(layer._original))):
+        if name in branches or name not in layer._onnx_names:
+            continue
+        if patterns and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            continue
+        path = layer._onnx_names[name]
+        owner = layer._owner(path)
+        if parametrize.is_parametrized(owner, path[-1]):
+            continue
+        weight = getattr(owner, path[-1])
+        if weight.dim() >= 2 and weight.is_floating_point():
+            found.append(name)
+    return found
 
 
 def _side_adapters(layer, patterns, rank: int, scale: float) -> list[str]:

@@ -903,8 +903,15 @@ def test_lora_beside_4bit_products_trains_float_adapters_and_saves_them_beside(t
     path, model, x = _four_bit_file(tmp_path)
     layer = OnnxModule(path)
     before = layer(x).detach()
+    with pytest.raises(ValueError, match="no product weight matched"):
+        lora(layer, names="nothing*")
+    # refused before any change: nothing frozen, no branch
+    assert all(p.requires_grad for _, p in layer.named_onnx_parameters())
+    assert not any(n.name.endswith("/lora_down") for n in layer.to_onnx().graph.node)
     adapters = lora(layer, rank=2, alpha=4)
     assert len(adapters) == 6
+    with pytest.raises(ValueError, match="no MatMul"):  # adapted once: not twice
+        lora(layer, rank=2)
     trained = {n: p for n, p in layer.named_onnx_parameters() if p.requires_grad}
     assert sorted(trained) == sorted(
         f"{n.input[1]}.lora_{ab}" for n in model.graph.node if n.op_type == "MatMulNBits"
