@@ -35,6 +35,10 @@ to float rounding). Inference sessions run the file's fused kernels.
   :data:`ortbridge._prepare._weights.NON_DIFFERENTIABLE_SLOTS`). The
   forward of the gradient graph multiplies in float, as accuracy level 0
   does (a higher level rounds the input to int8 in the kernel).
+
+Every writer shares one ``_Writer``'s naming, constants and its LayerNorm,
+RMS and attention pieces, so the fusions stay in one module (the folder
+holds the most modules the layout allows).
 """
 
 from __future__ import annotations
