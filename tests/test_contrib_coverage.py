@@ -7,9 +7,16 @@ kernel, gradients against central finite differences of it.
 
 from __future__ import annotations
 
-import pytest
+import warnings
 
-from ortbridge import _coverage
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper
+
+from ortbridge import OnnxModule, _coverage
 from ortbridge._coverage._contrib import CASES, NEWER
 from ortbridge._runtime import _ort
 
@@ -23,3 +30,58 @@ def test_each_fused_node_is_differentiated_correctly(name):
         return
     assert result.status == _coverage.CORRECT, (result.status, result.detail)
     assert result.checked > 0
+
+
+def test_weights_before_a_rotary_embedding_train_as_torch():
+    """A query projection, onnxruntime's RotaryEmbedding and an output
+    projection (the caches initializers, as decoders hold them): both
+    projections train (the first stayed frozen behind the node before), the
+    caches stay frozen, and the gradients equal torch's rotary embedding's."""
+    rng = np.random.default_rng(0)
+    wq = rng.standard_normal((8, 8)).astype(np.float32) * 0.3
+    wo = rng.standard_normal((8, 4)).astype(np.float32) * 0.3
+    caches = {"cos": np.cos(np.outer(np.arange(6), [1.0, 0.1])).astype(np.float32),
+              "sin": np.sin(np.outer(np.arange(6), [1.0, 0.1])).astype(np.float32)}  # fmt: skip
+    graph = h.make_graph(
+        [
+            h.make_node("MatMul", ["x", "wq"], ["q"]),
+            h.make_node(
+                "RotaryEmbedding",
+                ["q", "pos", "cos", "sin"],
+                ["r"],
+                domain="com.microsoft",
+                num_heads=2,
+            ),  # fmt: skip
+            h.make_node("MatMul", ["r", "wo"], ["y"]),
+        ],
+        "rope",
+        [
+            h.make_tensor_value_info("x", T.FLOAT, [2, 3, 8]),
+            h.make_tensor_value_info("pos", T.INT64, [2, 3]),
+        ],  # fmt: skip
+        [h.make_tensor_value_info("y", T.FLOAT, [2, 3, 4])],
+        [numpy_helper.from_array(v, k) for k, v in {"wq": wq, "wo": wo, **caches}.items()],
+    )
+    ms = "com.microsoft"
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(ms, 1)])
+    model.ir_version = 9
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing frozen behind the node
+        layer = OnnxModule(model)
+    assert sorted(n for n, _ in layer.named_onnx_parameters()) == ["wo", "wq"]
+    x = torch.from_numpy(rng.standard_normal((2, 3, 8)).astype(np.float32))
+    pos = torch.tensor([[0, 1, 2], [2, 3, 4]])
+    out = layer(x, pos)
+
+    q_w, o_w = torch.tensor(wq, requires_grad=True), torch.tensor(wo, requires_grad=True)
+    q = (x @ q_w).reshape(2, 3, 2, 4)  # two heads of four, rotated in halves
+    c, s = (torch.from_numpy(caches[k])[pos].unsqueeze(2) for k in ("cos", "sin"))
+    first, second = q[..., :2], q[..., 2:]
+    turned = torch.cat([first * c - second * s, second * c + first * s], -1)
+    ref = turned.reshape(2, 3, 8) @ o_w
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    cotangent = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * cotangent).sum().backward()
+    (ref * cotangent).sum().backward()
+    for name, want in (("wq", q_w.grad), ("wo", o_w.grad)):
+        torch.testing.assert_close(layer.onnx_weight(name).grad, want, rtol=1e-4, atol=1e-5)

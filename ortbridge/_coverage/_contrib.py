@@ -35,7 +35,7 @@ def _case(
     slots = [k if k.strip() else "" for k in inputs]  # blank names: empty slots
     node = h.make_node(op_type, slots, outputs, name, domain=domain, **attrs)
     given = {k: v for k, v in inputs.items() if k.strip() and k not in constants}
-    elem = {np.dtype(np.float32): T.FLOAT, np.dtype(np.int32): T.INT32}
+    elem = {np.dtype(np.float32): T.FLOAT, np.dtype(np.int32): T.INT32, np.dtype(np.int64): T.INT64}
     graph = h.make_graph(
         [node], name,
         [h.make_tensor_value_info(k, elem[v.dtype], list(v.shape)) for k, v in given.items()],
@@ -63,6 +63,12 @@ def _packed_4bit(n: int, k: int, block: int, seed: int) -> dict:
         "scales": (rng.random(n * blocks) * 0.1 + 0.02).astype(np.float32),
         "zero_points": (zero[:, 0::2] | (zero[:, 1::2] << 4)).reshape(-1),
     }
+
+
+def _rotary_caches(positions: int, half: int) -> dict:
+    """The cosine and sine caches a RoPE model holds: (positions, half)."""
+    angles = np.outer(np.arange(positions), 10000.0 ** (-np.arange(half) / half))
+    return {"cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)}
 
 
 def _lengths(*values):
@@ -149,6 +155,18 @@ CASES = {
          "bias": _random(24, seed=6)},
         ["y"], constants=("packed", "scales", "zero_points"), K=40, N=24, bits=4,
         block_size=16,
+    ),
+    "rotary_embedding": lambda: _case(
+        "rotary_embedding", "RotaryEmbedding",
+        {"x": _random(2, 3, 8), "positions": np.array([[0, 1, 2], [3, 4, 5]], np.int64),
+         **_rotary_caches(8, 2)},
+        ["y"], constants=("cos", "sin"), num_heads=2,
+    ),
+    "rotary_embedding_interleaved_partial": lambda: _case(
+        "rotary_embedding_interleaved_partial", "RotaryEmbedding",
+        {"x": _random(2, 3, 8, seed=1), "positions": np.array([2], np.int64),
+         **_rotary_caches(8, 1)},
+        ["y"], constants=("cos", "sin"), num_heads=2, rotary_embedding_dim=2, interleaved=1,
     ),
 }  # fmt: skip
 

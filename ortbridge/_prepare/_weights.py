@@ -79,6 +79,9 @@ NON_DIFFERENTIABLE_SLOTS = {
     # onnxruntime's 4-bit weight-only product: packed weight, scales, zero
     # points and group index stay as the file has them (a frozen base)
     "MatMulNBits": {1, 2, 3, 4},
+    # rotary embeddings (onnxruntime's, and ONNX's from opset 23): positions and
+    # the cosine and sine caches are inputs 1-3 in both
+    "RotaryEmbedding": {1, 2, 3},
 }
 #: Ops a gradient passes straight through (fake quantization, :mod:`.quantized`):
 #: from the float output to the data input, through the integers between.

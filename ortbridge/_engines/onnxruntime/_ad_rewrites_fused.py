@@ -35,6 +35,11 @@ to float rounding). Inference sessions run the file's fused kernels.
   :data:`ortbridge._prepare._weights.NON_DIFFERENTIABLE_SLOTS`). The
   forward of the gradient graph multiplies in float, as accuracy level 0
   does (a higher level rounds the input to int8 in the kernel).
+- ``RotaryEmbedding`` (input of three axes, batch by sequence by hidden;
+  position ids per token or one offset): each head's first rotary
+  dimensions turned by the cosines and sines its positions gather, in
+  halves or interleaved pairs; the caches are not differentiated (frozen).
+  Packed batching, a scale and four-axis input are left: refused by name.
 
 Every writer shares one ``_Writer``'s naming, constants and its LayerNorm,
 RMS and attention pieces, so the fusions stay in one module (the folder
@@ -59,6 +64,7 @@ FUSED = frozenset(
         "SkipLayerNormalization", "SimplifiedLayerNormalization",
         "SkipSimplifiedLayerNormalization", "BiasGelu", "FastGelu", "Gelu", "FusedMatMul",
         "Attention", "MultiHeadAttention", "EmbedLayerNormalization", "MatMulNBits",
+        "RotaryEmbedding",
     }
 )  # fmt: skip
 
@@ -245,6 +251,60 @@ class _Writer:
         else:
             self.out[-1].output[0] = self._out(0)
         return self.out
+
+    def RotaryEmbedding(self):
+        node = self.node
+        x, positions, cos, sin = (self._in(i) for i in range(4))
+        shape, cache = self.shapes.get(x), self.shapes.get(cos)
+        if attr(node, "is_packed_batching", 0) or attr(node, "scale", 1.0) != 1.0:
+            return None
+        if shape is None or len(shape) != 3 or cache is None or len(cache) != 2:
+            return None
+        hidden, half = shape[2], cache[1]
+        if not isinstance(hidden, int) or not isinstance(half, int):
+            return None
+        rotary = attr(node, "rotary_embedding_dim", 0) or 2 * half
+        heads = attr(node, "num_heads", 0) or hidden // rotary
+        head = hidden // heads
+        if rotary != 2 * half or heads * head != hidden or rotary > head:
+            return None
+        ids = self.shapes.get(positions)
+        if ids is not None and len(ids) == 1:  # one offset: offset + 0..S-1 for every row
+            steps = self.op("Range", [self._int(0), self._shape_part(x, 1), self._int(1)])
+            row = self.op("Add", [self.op("Unsqueeze", [steps, self._axes([0])]), positions])
+            ids_shape = self.op("Concat", [self._shape_part(x, 0), self._shape_part(x, 1)], axis=0)
+            positions = self.op("Expand", [row, ids_shape])
+        # cos and sin per token, one per head: (B, S, 1, half)
+        c, s = (
+            self.op("Unsqueeze", [self.op("Gather", [t, positions], axis=0), self._axes([2])])
+            for t in (cos, sin)
+        )
+        heads_of = self.op("Reshape", [x, self._axes([0, 0, heads, head])])
+        turned = self._slice_last(heads_of, 0, rotary)
+        if attr(node, "interleaved", 0):
+            pairs = self.op("Reshape", [turned, self._axes([0, 0, 0, half, 2])])
+            first, second = (self.op("Gather", [pairs, self._int(i)], axis=4) for i in (0, 1))
+        else:
+            first, second = (
+                self._slice_last(turned, 0, half),
+                self._slice_last(turned, half, rotary),
+            )
+        new_first = self.op("Sub", [self.op("Mul", [first, c]), self.op("Mul", [second, s])])
+        new_second = self.op("Add", [self.op("Mul", [second, c]), self.op("Mul", [first, s])])
+        if attr(node, "interleaved", 0):
+            last = self._axes([-1])
+            ends = [self.op("Unsqueeze", [t, last]) for t in (new_first, new_second)]
+            stacked = self.op("Concat", ends, axis=-1)
+            result = self.op("Reshape", [stacked, self._axes([0, 0, 0, rotary])])
+        else:
+            result = self.op("Concat", [new_first, new_second], axis=-1)
+        if rotary < head:
+            result = self.op("Concat", [result, self._slice_last(heads_of, rotary, head)], axis=-1)
+        self.op("Reshape", [result, self._axes([0, 0, hidden])], self._out(0))
+        return self.out
+
+    def _slice_last(self, x: str, start: int, end: int) -> str:
+        return self.op("Slice", [x, self._axes([start]), self._axes([end]), self._axes([-1])])
 
     def _float(self, name: str) -> bool:
         """Whether initializer or graph input ``name`` holds floats."""
