@@ -23,6 +23,7 @@ True
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 import os
 
@@ -111,18 +112,19 @@ def lora(
         raise TypeError(f"lora() adapts OnnxModule weights; {type(module).__name__} holds none")
     # What each layer adapts, found before anything changes: a call that
     # matches nothing leaves the module as it was.
-    planned = [(layer, _float_products(layer, patterns)) for layer in layers]
-    if not any(
-        names or _adapter_format.four_bit_products(layer._original, patterns)
-        for layer, names in planned
-    ):
+    planned = [
+        (layer, _float_products(layer, patterns),
+         bool(_adapter_format.four_bit_products(layer._original, patterns)))
+        for layer in layers
+    ]  # fmt: skip
+    if not any(names or four_bit for _, names, four_bit in planned):
         raise ValueError(
             f"no product weight matched {patterns}: see OnnxModule.named_onnx_parameters()"
             if patterns
             else "no MatMul, Gemm or Conv reads a weight of the module's graphs"
         )
-    for layer, names in planned:
-        beside = _side_adapters(layer, patterns, rank, scale)
+    for layer, names, four_bit in planned:
+        beside = _side_adapters(layer, patterns, rank, scale) if four_bit else []
         if freeze:
             for name, param in layer.named_onnx_parameters():
                 param.requires_grad_(name in beside)
@@ -168,13 +170,12 @@ def _side_adapters(layer, patterns, rank: int, scale: float) -> list[str]:
     layer before are dropped). The adapters' names."""
     from . import _adapter_format
 
-    if not _adapter_format.four_bit_products(layer._original, patterns):
-        return []
     model = layer.to_onnx()
     nodes = _adapter_format.four_bit_products(model, patterns)
     added = _adapter_format.with_side_adapters(model, nodes, rank, scale)
     trainable = {name for name, _ in layer.named_onnx_parameters()} | set(added)
-    device = next((t.device for t in layer.state_dict().values()), torch.device("cpu"))
+    held = next(itertools.chain(layer.parameters(), layer.buffers()), None)
+    device = held.device if held is not None else torch.device("cpu")
     training = layer.training
     rebuilt = type(layer)(
         model,

@@ -91,7 +91,13 @@ def to_ortvalues(tensors, device=None) -> tuple[object, list]:
     except KeyError:
         vector.reserve(len(held))
         for t in held:
-            vector.push_back(to_dlpack(t.contiguous() if t.numel() else t.new_empty(t.shape)))
+            t = t if t.numel() else t.new_empty(t.shape)  # an empty one's strides too
+            if t.dtype == torch.bool:
+                # torch exports bool as DLPack's kDLBool, which onnxruntime 1.19
+                # refuses: hand it the same bytes as uint8, flagged bool.
+                vector.push_back(to_dlpack(t.view(torch.uint8)), True)
+            else:
+                vector.push_back(to_dlpack(t), False)
         return vector, held
     if device is None:
         devices = [_DEVICES.get(t.device) or _device_of(t.device) for t in held]

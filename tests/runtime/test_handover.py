@@ -67,6 +67,28 @@ def test_every_element_type_reaches_the_run_as_it_is(dtype):
         assert torch.equal(got, want)
 
 
+def test_bool_beside_a_dlpack_only_type_reaches_the_run():
+    """A bfloat16 tensor sends the whole call over DLPack: a bool beside it
+    still goes as uint8 flagged bool (onnxruntime 1.19 refuses DLPack's bool)."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", [x], [f"{x}_out"]) for x in ("b", "h")],
+        "mixed",
+        [helper.make_tensor_value_info("b", TensorProto.BOOL, None),
+         helper.make_tensor_value_info("h", TensorProto.BFLOAT16, None)],
+        [helper.make_tensor_value_info("b_out", TensorProto.BOOL, None),
+         helper.make_tensor_value_info("h_out", TensorProto.BFLOAT16, None)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    fed = {"b": torch.tensor([True, False, True]), "h": _tensor(torch.bfloat16, (2, 3))}
+    try:
+        outs = InferenceGraph(model, CPU).run(fed)
+    except Exception as exc:
+        if "NOT_IMPLEMENTED" in str(exc):
+            pytest.skip(f"this onnxruntime has no bfloat16 Identity kernel: {exc}")
+        raise
+    assert torch.equal(outs[0], fed["b"]) and torch.equal(outs[1], fed["h"])
+
+
 def test_an_output_that_is_an_input_is_the_fed_tensor_and_outlives_the_call():
     graph = InferenceGraph(_identities(TensorProto.FLOAT, 2, passed=True), CPU)
     x, strided = torch.randn(3, 4), torch.randn(4, 3).t()

@@ -234,17 +234,15 @@ class _Writer:
         elif self._float(zero_points):
             zero = self.op("Reshape", [zero_points, self._axes([n, blocks, 1])])
         else:  # packed like the weight, two blocks a byte, padded to whole bytes
-            pairs = -(-blocks // 2)
-            unpacked = self._nibbles(zero_points, [n, 2 * pairs])
-            first = self.op("Slice", [unpacked, self._axes([0]), self._axes([blocks]),
-                                      self._axes([1])])  # fmt: skip
+            unpacked = self._nibbles(zero_points, [n, 2 * -(-blocks // 2)])
+            first = self._slice_last(unpacked, 0, blocks)
             zero = self.op("Reshape", [first, self._axes([n, blocks, 1])])
         grouped = self.op("Reshape", [q, self._axes([n, blocks, block])])
         per_block = self.op("Reshape", [scales, self._axes([n, blocks, 1])])
         weight = self.op("Mul", [self.op("Sub", [grouped, zero]), per_block])
         rows = self.op("Reshape", [weight, self._axes([n, blocks * block])])
         if blocks * block != k:  # the last block's padding
-            rows = self.op("Slice", [rows, self._axes([0]), self._axes([k]), self._axes([1])])
+            rows = self._slice_last(rows, 0, k)
         product = self.op("MatMul", [self._in(0), self.op("Transpose", [rows], perm=[1, 0])])
         if bias:
             self.op("Add", [product, bias], self._out(0))
@@ -270,8 +268,8 @@ class _Writer:
             return None
         ids = self.shapes.get(positions)
         if ids is not None and len(ids) == 1:  # one offset: offset + 0..S-1 for every row
-            steps = self.op("Range", [self._int(0), self._shape_part(x, 1), self._int(1)])
-            row = self.op("Add", [self.op("Unsqueeze", [steps, self._axes([0])]), positions])
+            steps = self.op("Unsqueeze", [self._positions(x), self._axes([0])])
+            row = self.op("Add", [steps, positions])
             ids_shape = self.op("Concat", [self._shape_part(x, 0), self._shape_part(x, 1)], axis=0)
             positions = self.op("Expand", [row, ids_shape])
         # cos and sin per token, one per head: (B, S, 1, half)
@@ -319,9 +317,8 @@ class _Writer:
     def _nibbles(self, packed: str, shape: list[int]) -> str:
         """uint8 bytes as their 4-bit values in this float type, low nibble
         first, reshaped to ``shape``."""
-        wide = self.op("Cast", [packed], to=TensorProto.INT32)
-        sixteen = self._name("sixteen")
-        self.graph.initializer.append(numpy_helper.from_array(np.array(16, np.int32), sixteen))
+        wide = self.op("Cast", [packed], to=TensorProto.INT64)
+        sixteen = self._int(16)
         high = self.op("Div", [wide, sixteen])
         low = self.op("Sub", [wide, self.op("Mul", [high, sixteen])])
         last = self._axes([-1])
