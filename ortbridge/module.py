@@ -62,10 +62,6 @@ def _is_fake(args, kwargs) -> bool:
     return False
 
 
-#: Weight types ``dtype=`` holds in higher precision.
-_HALF = (torch.float16, torch.bfloat16)
-
-
 def _before(exc: NotDifferentiableError, chosen: set[str], model: onnx.ModelProto) -> set[str]:
     """The weights among ``chosen`` that the node ``exc`` refuses reads, directly
     or through the nodes before it: their gradient would cross it."""
@@ -130,7 +126,7 @@ class OnnxModule(nn.Module):
         training agent (where the training build is installed) for a graph
         the onnxruntime engine refuses. :attr:`backend` tells which runs.
     dtype : torch.dtype, optional
-        Master weights: a file's float16 and bfloat16 weights are held (and
+        Master weights: a file's float16 weights are held (and
         trained) as this dtype, ``torch.float32`` typically, and cast to the
         file's type at each call; the graph still computes in the file's
         precision and ``save()`` writes that. Then torch's ``GradScaler``
@@ -183,7 +179,7 @@ class OnnxModule(nn.Module):
         self._onnx_names: dict[str, tuple[str, ...]] = {}
         for name, array in summary.float_initializers.items():
             tensor = torch.from_numpy(np.array(array, copy=True))
-            if dtype is not None and tensor.dtype in _HALF:
+            if dtype is not None and tensor.dtype == torch.float16:
                 tensor = tensor.to(dtype)
             self._register_weight(name, tensor, name in chosen)
         self._weight_names = list(summary.float_initializers)
