@@ -147,9 +147,16 @@ class FakeQuantized(torch.nn.Module):
                 continue
             if op in ("ConvInteger", "MatMulInteger"):  # already rescaled: Cast and Mul pass it
                 w, scale, zero = self._dynamic[node.output[0]]
-                weight = torch.fake_quantize_per_tensor_affine(
-                    self.parameter(w), float(scale), int(zero), *_limits(zero)
-                )
+                if scale.size == 1:
+                    weight = torch.fake_quantize_per_tensor_affine(
+                        self.parameter(w), float(scale), int(zero), *_limits(zero)
+                    )
+                else:  # per column (quantize_dynamic's per_channel=True)
+                    weight = torch.fake_quantize_per_channel_affine(
+                        self.parameter(w), torch.from_numpy(scale.astype(np.float32)),
+                        torch.from_numpy(zero.astype(np.int32)), self.parameter(w).dim() - 1,
+                        *_limits(zero),
+                    )  # fmt: skip
                 float_op = "Conv" if op == "ConvInteger" else "MatMul"
                 env[node.output[0]] = self._run(float_op, a, [env[ins[0]], weight])
                 rescaled.add(node.output[0])

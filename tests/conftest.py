@@ -86,10 +86,14 @@ def export(model: torch.nn.Module, args: tuple, dynamic_batch: bool = True, **kw
     return program.model_proto
 
 
-def export_torchscript(model, args: tuple, train: bool = False, **kwargs):
+def export_torchscript(
+    model, args: tuple, train: bool = False, constant_folding: bool = False, **kwargs
+):
     """Export with torch's TorchScript exporter (``dynamo=False``), opset 17.
 
-    Constant folding off keeps the parameters' names (no folded transposes).
+    Constant folding off keeps the parameters' names (no folded transposes);
+    ``constant_folding=True`` folds (an LSTM's weights reordered to onnx's
+    gates become initializers, as published files hold them).
     """
     import onnx
 
@@ -104,7 +108,7 @@ def export_torchscript(model, args: tuple, train: bool = False, **kwargs):
             dynamo=False,
             opset_version=17,
             training=mode,
-            do_constant_folding=False,
+            do_constant_folding=constant_folding,
             **kwargs,
         )
     return onnx.load_from_string(buffer.getvalue())
@@ -128,6 +132,20 @@ def _largest(values) -> float:
     values = np.abs(np.asarray(values, dtype=np.float64))
     values = values[np.isfinite(values)]
     return float(values.max()) if values.size else 0.0
+
+
+def assert_eval_runs_as_file(layer, args, path, feeds, rtol=1e-6, atol=1e-6) -> None:
+    """``layer``'s eval outputs on ``args`` equal plain onnxruntime's of the file ``path``."""
+    import onnxruntime
+
+    layer.eval()
+    with torch.no_grad():
+        mine = layer(*args)
+    mine = mine if isinstance(mine, (tuple, list)) else (mine,)
+    theirs = onnxruntime.InferenceSession(str(path)).run(None, feeds)
+    assert len(mine) == len(theirs)
+    for a, b in zip(mine, theirs):
+        np.testing.assert_allclose(a.numpy(), b, rtol=rtol, atol=atol)
 
 
 def assert_adam_lowers(params, loss_fn, steps: int = 5, lr: float = 1e-2) -> list[float]:

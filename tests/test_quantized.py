@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _quantized import FakeQuantized, quantized_file
-from conftest import assert_adam_lowers, export_torchscript, scaled_atol
+from conftest import assert_adam_lowers, assert_eval_runs_as_file, export_torchscript, scaled_atol
 from onnx import TensorProto as T
 
 from ortbridge import OnnxModule
@@ -127,6 +127,9 @@ def files(tmp_path_factory):
                 out[kind, form] = exc
         out[kind, "dynamic"] = str(root / f"{kind}-dynamic.onnx")
         quantize_dynamic(str(source), out[kind, "dynamic"])
+        # A scale per column for MatMulInteger (ConvInteger's stay per tensor).
+        out[kind, "dynamic-per-channel"] = str(root / f"{kind}-dynamic-per-channel.onnx")
+        quantize_dynamic(str(source), out[kind, "dynamic-per-channel"], per_channel=True)
         # onnxruntime's optimiser fuses it (DynamicQuantizeMatMul), as optimum's O2 saves it.
         options = onnxruntime.SessionOptions()
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -504,7 +507,9 @@ def test_a_published_weight_only_file_trains_as_its_float_twin_and_comes_back_in
     np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=scaled_atol(1e-5, theirs))
 
 
-_DYNAMIC = [(k, f) for k in ("cnn", "mlp") for f in ("dynamic", "dynamic-fused")]
+_DYNAMIC = [(k, f) for k in ("cnn", "mlp") for f in ("dynamic", "dynamic-fused")] + [
+    ("mlp", "dynamic-per-channel")
+]
 
 
 @pytest.mark.parametrize("case", _DYNAMIC, ids=[f"{k}-{f}" for k, f in _DYNAMIC])
@@ -531,7 +536,8 @@ def test_a_dynamically_quantized_file_trains_as_torch_fake_quantization(files, c
     # The integer kernels sum in int32, the float ops in float32.
     np.testing.assert_allclose(start, expected, rtol=1e-4, atol=scaled_atol(1e-5, expected))
     layer.train()
-    reference = FakeQuantized(files[case[0], "dynamic"])  # the same, unfused
+    # the same, unfused
+    reference = FakeQuantized(files[case[0], case[1].replace("-fused", "")])
     x1, x2 = (torch.from_numpy(x).requires_grad_() for _ in range(2))
     y1, y2 = layer(x1), reference(x2)[0]
     torch.testing.assert_close(y1, y2, rtol=1e-4, atol=scaled_atol(1e-5, y2))
@@ -748,22 +754,32 @@ def test_lora_on_a_quantized_file_trains_adapters_and_saves_them_merged_as_int8(
         assert not (tmp_path / "base.onnx").exists()
 
 
-#: A published dynamic-int8 file with com.microsoft DynamicQuantizeLSTM (no
-#: engine differentiates it): open-voicefilter-lite's mask estimator.
+#: A published dynamic-int8 file with three com.microsoft DynamicQuantizeLSTM
+#: layers and four MatMulInteger: open-voicefilter-lite's mask estimator.
 _VOICEFILTER = (
     "open-voicefilter-lite", "0.2.0", "voicefilter_lite/models/voicefilter_lite.int8.onnx"
 )  # fmt: skip
 
 
-def test_weights_behind_a_node_no_engine_differentiates_stay_frozen_and_are_named():
+def test_a_published_dynamically_quantized_lstm_fine_tunes_and_comes_back_int8(tmp_path):
+    """Every int8 weight trains (the LSTMs' too: see test_quantized_lstm.py for
+    their gradients against torch's), and the file comes back in its form."""
     from ortbridge.examples import published_file
 
     path = str(published_file(*_VOICEFILTER))
-    with pytest.warns(UserWarning, match=r"DynamicQuantizeLSTM\) has no gradient here: the 6 "):
+    original = onnx.load(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing frozen, nothing refused
         layer = OnnxModule(path)
     trained = dict(layer.named_onnx_parameters())
-    assert len(trained) == 5 and "onnx::MatMul_362_quantized" in trained
-    assert not layer.onnx_weight("model.in_proj.bias").requires_grad
+    int8 = _int8_weights(original)
+    lstm = {
+        n.input[s]
+        for n in original.graph.node
+        if n.op_type == "DynamicQuantizeLSTM"
+        for s in (1, 2)
+    }
+    assert len(lstm) == 6 and lstm <= int8 <= set(trained), sorted(int8 - set(trained))
     rng = np.random.default_rng(0)
     feeds = {
         "stacked_logmel": rng.standard_normal((2, 8, 512)).astype(np.float32),
@@ -771,14 +787,31 @@ def test_weights_behind_a_node_no_engine_differentiates_stay_frozen_and_are_name
         "h0": np.zeros((3, 2, 512), np.float32),
         "c0": np.zeros((3, 2, 512), np.float32),
     }
-    expected = onnxruntime.InferenceSession(path).run(None, feeds)[0]
-    mask = layer(*[torch.from_numpy(feeds[k]) for k in layer.input_names])[0]
-    np.testing.assert_allclose(mask.detach().numpy(), expected, atol=1e-5)
-    mask.sum().backward()
-    assert trained["onnx::MatMul_362_quantized"].grad.abs().max() > 0
-    # Asked for by name, a weight before it is refused naming the node.
-    with pytest.raises(NotDifferentiableError, match="DynamicQuantizeLSTM"):
-        OnnxModule(path, trainable=["model.in_proj.bias"])
+    args = [torch.from_numpy(feeds[k]) for k in layer.input_names]
+    expected = onnxruntime.InferenceSession(path).run(None, feeds)
+    layer.eval()
+    with torch.no_grad():
+        start = layer(*args)
+    for mine, theirs in zip(start, expected):  # the file's kernels
+        np.testing.assert_allclose(mine.numpy(), theirs, rtol=1e-5, atol=1e-6)
+    layer.train()
+    layer(*args)[0].sum().backward()
+    for name in lstm:
+        grad = trained[name].grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0, name
+    target = torch.from_numpy(expected[0]).flip(-1)
+    losses = assert_adam_lowers(
+        layer.parameters(), lambda: (layer(*args)[0] - target).pow(2).mean(), lr=1e-3
+    )
+    saved = tmp_path / "fine-tuned.onnx"
+    after = _saved_in_its_form(layer, original, saved)
+    before = {i.name: onnx.numpy_helper.to_array(i) for i in original.graph.initializer}
+    changed = {
+        i.name for i in after.graph.initializer
+        if i.name in lstm and not np.array_equal(onnx.numpy_helper.to_array(i), before[i.name])
+    }  # fmt: skip
+    assert changed == lstm, (sorted(changed), losses)
+    assert_eval_runs_as_file(layer, args, saved, feeds, rtol=1e-5, atol=1e-6)
 
 
 class _Products(torch.nn.Module):

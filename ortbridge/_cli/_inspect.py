@@ -16,7 +16,7 @@ import onnx
 
 from .. import _prepare
 from .._prepare._onnx_utils import FLOAT_TYPES
-from .._prepare.quantized import quantized_weights
+from .._prepare.quantized import quantized_weights, recurrent_weights
 from .._runtime import _ort
 from ..exceptions import OrtBridgeError
 
@@ -106,6 +106,7 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
         for name, array in summary.float_initializers.items()
     ]
     quantized = quantized_weights(model)
+    recurrent = recurrent_weights(model)
     info["non_float_initializers"] = sum(
         1
         for init in model.graph.initializer
@@ -118,6 +119,8 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
                 "dtype": onnx.helper.tensor_dtype_to_np_dtype(q.elem_type).name,
                 "per": f"axis {q.axis}" if q.scale.size > 1 else "tensor",
                 "trains": "fake quantization" if q.paired else "float",
+                # DynamicQuantizeLSTM's: differentiated as ONNX's LSTM of them
+                "recurrent": q.name in recurrent,
             }
             for q in quantized.values()
         ],
@@ -256,6 +259,8 @@ def _print_text(info: dict, out) -> None:
                 if q["trains"] == "fake quantization"
                 else "unquantized (rounded to its step on saving)"
             )
+            if q["recurrent"]:
+                how += "; its DynamicQuantizeLSTM trains as ONNX's LSTM of the dequantized weights"
             print(f"  {q['name']}: {q['dtype']} per {q['per']}, trains {how}", file=out)
     total = sum(init["size"] for init in inits)
     print(

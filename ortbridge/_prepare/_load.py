@@ -170,8 +170,9 @@ def _gradient_reachable(
             continue
         skip = _weights.NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ())
         straight = node.op_type in _weights.STRAIGHT_THROUGH
+        integers = _weights.STRAIGHT_THROUGH_SLOTS.get(node.op_type, ())
         for pos, name in enumerate(node.input):
-            if name and pos not in skip and (is_float(name) or straight):
+            if name and pos not in skip and (is_float(name) or straight or pos in integers):
                 needed.add(name)
         # A Loop, Scan or If body reads outer tensors without listing them as
         # inputs (nn.EmbeddingBag's weight, read inside its Loop).

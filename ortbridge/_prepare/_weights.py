@@ -82,10 +82,17 @@ NON_DIFFERENTIABLE_SLOTS = {
     # rotary embeddings (onnxruntime's, and ONNX's from opset 23): positions and
     # the cosine and sine caches are inputs 1-3 in both
     "RotaryEmbedding": {1, 2, 3},
+    # onnxruntime's dynamically quantized LSTM: sequence lengths, the int8
+    # weights' scales and zero points
+    "DynamicQuantizeLSTM": {4, 8, 9, 10, 11},
 }
 #: Ops a gradient passes straight through (fake quantization, :mod:`.quantized`):
 #: from the float output to the data input, through the integers between.
 STRAIGHT_THROUGH = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
+#: Integer inputs whose float weights (lifted, :mod:`.quantized`) a node's
+#: gradient reaches: onnxruntime's dynamically quantized LSTM, differentiated
+#: as ONNX's LSTM of its dequantized weights.
+STRAIGHT_THROUGH_SLOTS = {"DynamicQuantizeLSTM": {1, 2}}
 # Ops whose outputs carry no gradient at all.
 NON_DIFFERENTIABLE_OPS = frozenset(
     {

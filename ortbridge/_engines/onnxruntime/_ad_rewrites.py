@@ -70,7 +70,7 @@ from ._ad_rewrites_bodies import _inferred, _opset, rewrite_bodies
 from ._ad_rewrites_conv import copy_node, ints
 from ._ad_rewrites_fused import fused_as_standard
 from ._ad_rewrites_pad import copying_pad
-from ._ad_rewrites_quant import fake_quantize_nodes
+from ._ad_rewrites_quant import fake_quantize_nodes, quantized_lstms_as_float
 from ._ad_rewrites_slice import strided_slice
 
 REDUCTIONS = frozenset(
@@ -150,7 +150,8 @@ def prepare_for_reverse(model: onnx.ModelProto) -> onnx.ModelProto:
         model = upgrade_opset(copy)
     except OnnxModelError:  # onnx-ad then refuses, by name, the nodes that need opset 16
         model = copy
-    model = _shapes_folded(rewrite_bodies(sequences_as_tensors(fused_as_standard(model))))
+    model = fused_as_standard(quantized_lstms_as_float(model))
+    model = _shapes_folded(rewrite_bodies(sequences_as_tensors(model)))
     graph = model.graph
     g = _Graph(model)
     taken = _all_names(graph)

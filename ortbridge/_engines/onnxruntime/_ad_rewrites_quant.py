@@ -14,6 +14,15 @@ the pair's declared type and shape; :func:`._rules.own_rules` gives it that
 rule; :func:`quantize_pairs_restored` writes the pair back in the reverse
 model before anything runs it, so onnxruntime computes the forward exactly
 as the file does.
+
+:func:`quantized_lstms_as_float` writes com.microsoft ``DynamicQuantizeLSTM``
+(its int8 weights lifted to float under fake quantization, :mod:`._lift`) as
+ONNX's LSTM of the dequantized weights, transposed to LSTM's layout. Its
+kernel quantizes each step's input and hidden state on their own range
+(nothing clipped): the gradient passes straight through them, as torch's
+dynamic-quantization training leaves activations float. The forward of the
+gradient graph therefore runs the float LSTM (its outputs differ from the
+kernel's by those roundings); inference runs the file's kernel.
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from ortbridge._prepare._lookup import _infer
-from ortbridge._prepare.quantized._lift import QDQ_DOMAINS
+from ortbridge._prepare._lookup import _all_names, _infer, _unique
+from ortbridge._prepare.quantized._lift import LSTM_WEIGHT_SLOTS, QDQ_DOMAINS
 
 DOMAIN = "ai.ortbridge.training"
 OP = "FakeQuantize"
@@ -204,3 +213,70 @@ def quantize_pairs_restored(model: onnx.ModelProto, source: onnx.ModelProto | No
     kept_opsets = [o for o in model.opset_import if o.domain != DOMAIN]
     del model.opset_import[:]
     model.opset_import.extend(kept_opsets)
+
+
+def quantized_lstms_as_float(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Each ``DynamicQuantizeLSTM`` as ONNX's ``LSTM`` of its dequantized
+    weights; in place, returned. A weight its lifted ``QuantizeLinear`` gives
+    is read by the ``DequantizeLinear`` of the same settings (the pair
+    :func:`fake_quantize_nodes` makes one node); a node whose weights were
+    not lifted is left (refused by name)."""
+    graph = model.graph
+    if not any(_is_lstm(n) for n in graph.node):
+        return model
+    producer = {out: node for node in graph.node for out in node.output}
+    taken = _all_names(graph)
+    nodes = []
+    for node in graph.node:
+        written: list[onnx.NodeProto] = []
+        weights = [_dequantized(node, s, producer, taken, written) for s in LSTM_WEIGHT_SLOTS]
+        if not _is_lstm(node) or None in weights:
+            nodes.append(node)
+            continue
+        nodes.extend(written)
+        transposed = []
+        for weight in weights:  # (directions, in, 4H) -> LSTM's (directions, 4H, in)
+            name = _unique(f"{weight}_gates_first", taken)
+            nodes.append(helper.make_node("Transpose", [weight], [name], perm=[0, 2, 1]))
+            transposed.append(name)
+        inputs = [node.input[0], *transposed, *node.input[3:8]]
+        while inputs and not inputs[-1]:
+            inputs.pop()
+        nodes.append(
+            helper.make_node(
+                "LSTM", inputs, list(node.output), f"{node.name}_float", domain=""
+            )  # fmt: skip
+        )
+        nodes[-1].attribute.extend(node.attribute)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
+
+
+def _is_lstm(node: onnx.NodeProto) -> bool:
+    return node.op_type == "DynamicQuantizeLSTM" and node.domain == "com.microsoft"
+
+
+def _dequantized(node, slot, producer, taken, nodes) -> str | None:
+    """The float weight a ``DynamicQuantizeLSTM`` reads at ``slot``, as the
+    ``DequantizeLinear`` of its lifted ``QuantizeLinear``; None for a weight
+    not lifted (a bidirectional one scaled per channel: refused by name)."""
+    if not _is_lstm(node) or len(node.input) <= slot:
+        return None
+    name = node.input[slot]
+    quantize = producer.get(name)
+    if quantize is None or not _is(quantize, "QuantizeLinear"):
+        return None
+    out = _unique(f"{name}_dequantized", taken)
+    axis = {a.name: a.i for a in quantize.attribute if a.name == "axis"}
+    nodes.append(
+        helper.make_node(
+            "DequantizeLinear",
+            [name, *quantize.input[1:]],
+            [out],
+            _unique(f"{quantize.name}_dequantize", taken),
+            domain=quantize.domain,
+            **axis,
+        )  # fmt: skip
+    )
+    return out

@@ -10,7 +10,9 @@ of the ``DequantizeLinear`` of both operands (the activation's reading the
 in float32 rather than in int32 (an output differs by float rounding). Then
 :mod:`._lift` trains the weights under fake quantization; the activations'
 dynamic pairs pass the gradient straight through (their range is the
-tensor's own: nothing is clipped). A saved file keeps the integer nodes.
+tensor's own: nothing is clipped). A ``MatMulInteger`` weight scaled per
+column (``quantize_dynamic(..., per_channel=True)``) is read per axis. A saved
+file keeps the integer nodes.
 onnxruntime's optimiser fuses them into com.microsoft ``DynamicQuantizeMatMul``
 and ``MatMulIntegerToFloat``, read the same way.
 """
@@ -52,10 +54,27 @@ def _matches(model: onnx.ModelProto):
         if scales is None or scales.op_type != "Mul" or dynamic.output[1] not in scales.input:
             continue
         weight_scale = next((i for i in scales.input if i != dynamic.output[1]), "")
-        scale = inits.get(weight_scale)
-        if scale is None or (len(scale.dims) and int(numpy_helper.to_array(scale).size) > 1):
-            continue  # one scale a weight: what quantize_dynamic writes by default
-        yield node, cast, mul, dynamic, weight_scale
+        axis = _weight_axis(node, inits, weight_scale)
+        if axis is not False:
+            yield node, cast, mul, dynamic, weight_scale, axis
+
+
+def _weight_axis(node: onnx.NodeProto, inits, weight_scale: str) -> int | None | bool:
+    """None: one scale a weight (``quantize_dynamic``'s default); the weight's
+    last axis: a ``MatMulInteger`` scaled per column (its ``per_channel=True``),
+    the zero point alike; False: any other form (left as it is)."""
+    scale = inits.get(weight_scale)
+    if scale is None:
+        return False
+    size = int(numpy_helper.to_array(scale).size)
+    if size == 1:
+        return None
+    weight = inits[node.input[1]]
+    zero = inits.get(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+    columns = list(weight.dims[-1:])
+    if node.op_type != "MatMulInteger" or list(scale.dims) != columns or zero is None:
+        return False
+    return len(weight.dims) - 1 if list(zero.dims) == columns else False
 
 
 def _only_reader(readers, name, op_type):
@@ -151,7 +170,7 @@ def dynamic_as_pairs(model: onnx.ModelProto) -> None:
     graph = model.graph
     taken = _all_names(graph)
     dropped, replaced = set(), {}
-    for node, cast, mul, dynamic, weight_scale in found:
+    for node, cast, mul, dynamic, weight_scale, axis in found:
         base = node.name or node.output[0]
         a, w = _unique(f"{base}/a_dequantized", taken), _unique(f"{base}/w_dequantized", taken)
         a_inputs = [node.input[0], dynamic.output[1]] + (
@@ -163,7 +182,9 @@ def dynamic_as_pairs(model: onnx.ModelProto) -> None:
         attrs = {a_.name: helper.get_attribute_value(a_) for a_ in node.attribute}
         replaced[id(node)] = [
             helper.make_node("DequantizeLinear", a_inputs, [a], a),
-            helper.make_node("DequantizeLinear", w_inputs, [w], w),
+            helper.make_node(
+                "DequantizeLinear", w_inputs, [w], w, **({} if axis is None else {"axis": axis})
+            ),
             helper.make_node(_FLOAT_OPS[node.op_type], [a, w], [mul.output[0]], base, **attrs),
         ]
         dropped.update({id(cast), id(mul)})

@@ -5,8 +5,9 @@ a float initializer of its name, every form as QDQ pairs), then takes the
 quantization out: a weight's pair goes (the float weight is read directly),
 an activation's pair becomes the ``Clip`` to its range (the quantizer drops
 a ReLU whose range the pair's zero point already cuts: the clip keeps that),
-a dynamic pair goes (its range is the tensor's own). The graph computes the
-float function the file approximates.
+a dynamic pair goes (its range is the tensor's own), a ``DynamicQuantizeLSTM``
+becomes ONNX's LSTM of its float weights. The graph computes the float
+function the file approximates.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .._lookup import _all_names, _unique
 from .._onnx_utils import node_reads
-from ._lift import QDQ_DOMAINS, integer_limits, lift_quantized_weights
+from ._lift import (
+    LSTM_WEIGHT_SLOTS,
+    QDQ_DOMAINS,
+    integer_limits,
+    is_dynamic_lstm,
+    lift_quantized_weights,
+)
 
 
 def float_model(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -31,6 +38,9 @@ def float_model(model: onnx.ModelProto) -> onnx.ModelProto:
     taken = _all_names(graph)
     nodes = []
     for node in graph.node:
+        if is_dynamic_lstm(node):
+            nodes.extend(_float_lstm(node, producer, weights, taken))
+            continue
         source = producer.get(node.input[0]) if node.input else None
         if node.op_type != "DequantizeLinear" or node.domain not in QDQ_DOMAINS or source is None:
             nodes.append(node)
@@ -77,3 +87,31 @@ def _range(node: onnx.NodeProto, inits) -> tuple[np.ndarray, np.ndarray] | None:
     low, high = integer_limits(zero.data_type if zero is not None else TensorProto.UINT8)
     s = s.reshape(())
     return np.asarray((low - z) * s, s.dtype), np.asarray((high - z) * s, s.dtype)
+
+
+def _float_lstm(node, producer, weights, taken) -> list[onnx.NodeProto]:
+    """ONNX's LSTM of a ``DynamicQuantizeLSTM``'s lifted float weights, each
+    transposed to LSTM's ``(directions, 4 * hidden, in)``; the node itself
+    where a weight was not lifted."""
+    floats = []
+    for slot in LSTM_WEIGHT_SLOTS:
+        quantize = producer.get(node.input[slot])
+        if quantize is None or quantize.op_type != "QuantizeLinear":
+            return [node]
+        if quantize.input[0] not in weights:
+            return [node]
+        floats.append(quantize.input[0])
+    out = []
+    for i, weight in enumerate(floats):
+        out.append(
+            helper.make_node(
+                "Transpose", [weight], [_unique(f"{weight}_gates_first", taken)], perm=[0, 2, 1]
+            )
+        )
+        floats[i] = out[-1].output[0]
+    inputs = [node.input[0], *floats, *node.input[3:8]]
+    while not inputs[-1]:
+        inputs.pop()
+    lstm = helper.make_node("LSTM", inputs, list(node.output), node.name)
+    lstm.attribute.extend(node.attribute)
+    return [*out, lstm]

@@ -134,21 +134,14 @@ def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
     for name, init in inits.items():
         kind = init.data_type
         uses = readers.get(name, [])
-        if (
-            name in outputs
-            or not uses
-            or any(
-                node.op_type != "DequantizeLinear" or node.domain not in QDQ_DOMAINS or slot != 0
-                for node, slot in uses
-            )
-        ):
+        if name in outputs or not uses or not all(_reader(node, slot) for node, slot in uses):
             continue
         contrib = {node.domain for node, _ in uses} == {"com.microsoft"}
         if not (
             kind in _UNPAIRED or kind in _QUANTIZABLE and (contrib or opset >= _QUANTIZABLE[kind])
         ):
             continue
-        params = {_params(node, inits) for node, _ in uses}
+        params = {_params(node, slot, inits) for node, slot in uses}
         if len(params) != 1 or None in params:
             continue
         scale_name, zero_name, axis = params.pop()
@@ -157,17 +150,56 @@ def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
             zero = numpy_helper.to_array(inits[zero_name])
         else:
             zero = np.zeros(scale.shape, helper.tensor_dtype_to_np_dtype(kind))
-        if scale.ndim > 1 or zero.size != scale.size or not np.all(scale > 0):
+        if zero.size != scale.size or not np.all(scale > 0):
             continue
+        if scale.ndim > 1:  # an LSTM's (1, 4 * hidden): one scale a gate channel
+            if scale.shape[0] != 1 or scale.ndim != 2:
+                continue
+            scale = scale.reshape(-1)
         zero = zero.reshape(scale.shape)
         found[name] = QuantizedWeight(name, kind, scale, zero, axis, kind not in _UNPAIRED)
     return found
 
 
-def _params(node: onnx.NodeProto, inits) -> tuple[str, str, int] | None:
+#: com.microsoft ``DynamicQuantizeLSTM``'s int8 weights (input, recurrence):
+#: slot -> the slots of their scale and zero point. The weights are
+#: ``(directions, in, 4 * hidden)``, scaled per direction (axis 0) or, for one
+#: direction, per gate channel (axis 2).
+LSTM_WEIGHT_SLOTS = {1: (8, 9), 2: (10, 11)}
+
+
+def recurrent_weights(model: onnx.ModelProto) -> set[str]:
+    """The tensors ``DynamicQuantizeLSTM`` nodes read as their int8 weights."""
+    return {
+        node.input[slot]
+        for node in model.graph.node
+        if is_dynamic_lstm(node)
+        for slot in LSTM_WEIGHT_SLOTS
+        if len(node.input) > slot
+    }
+
+
+def _reader(node: onnx.NodeProto, slot: int) -> bool:
+    """Whether ``node`` reads an integer weight at ``slot`` as a quantized one."""
+    if node.op_type == "DequantizeLinear":
+        return node.domain in QDQ_DOMAINS and slot == 0
+    return is_dynamic_lstm(node) and slot in LSTM_WEIGHT_SLOTS
+
+
+def is_dynamic_lstm(node: onnx.NodeProto) -> bool:
+    return node.op_type == "DynamicQuantizeLSTM" and node.domain == "com.microsoft"
+
+
+def _params(node: onnx.NodeProto, slot: int, inits) -> tuple[str, str, int] | None:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if attrs.get("block_size", 0):
         return None
+    if is_dynamic_lstm(node):
+        scale, zero = (node.input[i] for i in LSTM_WEIGHT_SLOTS[slot])
+        if scale not in inits or zero not in inits:
+            return None
+        axis = 2 if len(inits[scale].dims) == 2 else 0
+        return scale, zero, axis
     scale = node.input[1]
     zero = node.input[2] if len(node.input) > 2 else ""
     if scale not in inits or (zero and zero not in inits):
@@ -196,6 +228,9 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
             init.CopyFrom(numpy_helper.from_array(value, init.name))
     nodes = []
     for node in graph.node:
+        if is_dynamic_lstm(node):
+            nodes.extend(_lstm_weights_quantized(node, found, graph, taken))
+            continue
         record = (
             found.get(node.input[0]) if node.op_type == "DequantizeLinear" and node.input else None
         )
@@ -225,6 +260,36 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
     del graph.node[:]
     graph.node.extend(nodes)
     return sorted(found)
+
+
+def _lstm_weights_quantized(node, found, graph, taken) -> list[onnx.NodeProto]:
+    """A ``DynamicQuantizeLSTM`` reading its lifted weights' ``QuantizeLinear``
+    (its kernel takes the integers; the engine differentiates it as ONNX's LSTM
+    of the dequantized weights, :mod:`ortbridge._engines.onnxruntime`)."""
+    out = []
+    for slot, (scale_slot, zero_slot) in LSTM_WEIGHT_SLOTS.items():
+        record = found.get(node.input[slot]) if len(node.input) > slot else None
+        if record is None:
+            continue
+        settings = []
+        for pos, value in ((scale_slot, record.scale), (zero_slot, record.zero_point)):
+            name = node.input[pos]
+            if list(next(i for i in graph.initializer if i.name == name).dims) != list(value.shape):
+                name = _unique(f"{name}_per_channel", taken)  # (1, 4H) as (4H,)
+                graph.initializer.append(numpy_helper.from_array(value, name))
+            settings.append(name)
+        held = _unique(f"{record.name}_fake_quantized", taken)
+        out.append(
+            helper.make_node(
+                "QuantizeLinear",
+                [record.name, *settings],
+                [held],
+                _unique(f"{node.name or record.name}_quantize_{slot}", taken),
+                axis=record.axis,
+            )
+        )
+        node.input[slot] = held
+    return [*out, node]
 
 
 def _as_qdq(model: onnx.ModelProto) -> None:
