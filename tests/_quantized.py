@@ -173,8 +173,11 @@ class FakeQuantized(torch.nn.Module):
 
     @staticmethod
     def _run(op, a, x):
-        if op == "Reshape":
-            return x[0].reshape([int(d) for d in x[1]])
+        if op == "Reshape":  # a 0 copies the input's size there
+            shape = [int(d) for d in x[1]]
+            return x[0].reshape([x[0].shape[i] if d == 0 else d for i, d in enumerate(shape)])
+        if op in _TRANSFORMER_OPS:
+            return _TRANSFORMER_OPS[op](a, x)
         if op == "Conv":
             pads = a.get("pads", [0] * (2 * (x[0].dim() - 2)))
             conv = F.conv1d if x[0].dim() == 3 else F.conv2d
@@ -206,6 +209,52 @@ class FakeQuantized(torch.nn.Module):
             "Squeeze": lambda: x[0].squeeze(int(x[1].reshape(-1)[0])),
         }  # fmt: skip
         return simple[op]()
+
+
+def _slice(a, x):
+    data, starts, ends = x[0], x[1].tolist(), x[2].tolist()
+    axes = x[3].tolist() if len(x) > 3 else list(range(len(starts)))
+    steps = x[4].tolist() if len(x) > 4 else [1] * len(starts)
+    index = [slice(None)] * data.dim()
+    for axis, start, end, step in zip(axes, starts, ends, steps):
+        index[axis] = slice(start, end, step)
+    return data[tuple(index)]
+
+
+def _gather(a, x):
+    axis, data, index = a.get("axis", 0), x[0], x[1].long()
+    picked = torch.index_select(data, axis, index.reshape(-1) % data.shape[axis])
+    return picked.reshape(data.shape[:axis] + index.shape + data.shape[axis + 1 :])
+
+
+def _layer_norm(a, x):
+    axis = a.get("axis", -1) % x[0].dim()
+    shape = x[0].shape[axis:]
+    bias = x[2] if len(x) > 2 else None
+    return F.layer_norm(x[0], shape, x[1].expand(shape), bias, a.get("epsilon", 1e-5))
+
+
+def _reduce_sum(a, x):
+    axes = tuple(int(i) for i in x[1]) if len(x) > 1 else tuple(range(x[0].dim()))
+    return x[0].sum(axes, keepdim=bool(a.get("keepdims", 1)))
+
+
+#: The other ops of the published QDQ transformer (torch's Whisper-style encoder).
+_TRANSFORMER_OPS = {
+    "Sub": lambda a, x: x[0] - x[1],
+    "Div": lambda a, x: x[0] / x[1],
+    "Erf": lambda a, x: torch.erf(x[0]),
+    "Tanh": lambda a, x: torch.tanh(x[0]),
+    "Softmax": lambda a, x: torch.softmax(x[0], a.get("axis", -1)),
+    "Transpose": lambda a, x: x[0].permute(*a["perm"]),
+    "Shape": lambda a, x: torch.tensor(
+        x[0].shape[a.get("start", 0) : a.get("end")], dtype=torch.int64
+    ),  # noqa: E501
+    "Gather": _gather,
+    "Slice": _slice,
+    "LayerNormalization": _layer_norm,
+    "ReduceSum": _reduce_sum,
+}
 
 
 def _limits(zero):

@@ -435,6 +435,44 @@ def test_a_published_qdq_file_fine_tunes_and_comes_back_int8(tmp_path):
     np.testing.assert_allclose(again, theirs, atol=5e-3)
 
 
+def test_a_published_qdq_file_s_gradients_agree_with_torch_as_torch_with_itself():
+    """The int8 weights' gradients against torch's fake quantization of the
+    same file (:class:`FakeQuantized`). A quantized network's gradient is
+    ill-conditioned: one activation one step over (another summation order,
+    another CPU) moves it, and torch's own gradients move by up to 140% of a
+    weight's largest when the input moves by one part in a million. So the
+    test is a direction: each weight's gradient within the cosine torch keeps
+    with itself under that perturbation (0.8 at worst here), all together
+    above 0.95 and of the same norm within a third: a pair passing no
+    gradient, or a wrong factor per pair, fails it. (Few values here reach a
+    pair's clipping range; the mask is checked element by element on the
+    quantizer's files, test_gradients_equal_torch_fake_quantization.)"""
+    from ortbridge.examples import published_file
+
+    path = str(published_file(*_SMART_TURN))
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, 80, 800)).astype(np.float32))
+    layer = OnnxModule(path).train()
+    layer(x).sum().backward()
+    mine = dict(layer.named_onnx_parameters())
+    spreads = []
+    for scale in (1.0, 1.0 + 1e-6):
+        reference = FakeQuantized(path)
+        reference(x * scale)[0].sum().backward()
+        spreads.append({n: reference.parameter(n).grad.flatten() for n in reference._names})
+    cosine = torch.nn.functional.cosine_similarity
+    assert len(spreads[0]) == 36 and set(spreads[0]) <= set(mine)
+    for name, want in spreads[0].items():
+        itself = float(cosine(want, spreads[1][name], dim=0))
+        got = float(cosine(mine[name].grad.flatten(), want, dim=0))
+        assert got >= min(itself, 0.9) - 0.1, (name, got, itself)
+    want = torch.cat(list(spreads[0].values()))
+    ours = torch.cat([mine[n].grad.flatten() for n in spreads[0]])
+    assert float(cosine(ours, want, dim=0)) > 0.95
+    # A cosine is blind to a scale; torch's norm moves by 15% with the input.
+    ratio = float(ours.norm() / want.norm())
+    assert 0.75 < ratio < 1.33, ratio
+
+
 #: Published weight-only int8 files (``Mul(Cast(q), scale)``, per channel,
 #: symmetric): tinyocr's PP-OCRv6 tiny recogniser (no producer named, opset
 #: 11) and a MiniLM sentence encoder (torch's exporter).
