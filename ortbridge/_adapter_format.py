@@ -10,6 +10,9 @@ with ``W.lora_A`` (rank, columns) and ``W.lora_B`` (rows, rank) graph inputs
 whose rank is symbolic, defaulting to initializers of zeros: run without an
 adapter, the file is the model before fine-tuning. The adapter file holds
 ``A`` and ``scale * B``, so adapters of any rank and alpha fit one base file.
+A branch beside a 4-bit product (``Y = MatMulNBits(X) + (X @ A) @ B``) reads
+its ``<packed weight>.lora_A`` (in, rank) and ``.lora_B`` (rank, out) as
+such inputs too.
 """
 
 from __future__ import annotations
@@ -53,9 +56,13 @@ def adapted(layer) -> dict[str, tuple[torch.Tensor, object]]:
 
 
 def base_model(layer) -> onnx.ModelProto:
-    """The layer's file with each adapted weight read through adapter inputs."""
+    """The layer's file with each adapted weight read through adapter inputs,
+    and each branch beside a 4-bit product reading its adapters as inputs."""
     updates = adapted(layer)
+    side = sorted(side_adapters(layer._original))
     if not updates:
+        if side:
+            return _branches_as_inputs(layer.to_onnx(), side)
         raise OnnxInputError(
             "the layer has no LowRank update: call ortbridge.lora() on it first, or ship "
             "to_onnx()'s file"
@@ -128,6 +135,27 @@ def base_model(layer) -> onnx.ModelProto:
     rest = list(graph.node)
     del graph.node[:]
     graph.node.extend(nodes + rest)  # before every reader of the weights
+    return _branches_as_inputs(model, side) if side else model
+
+
+def _branches_as_inputs(model: onnx.ModelProto, side: list[str]) -> onnx.ModelProto:
+    """The branches beside 4-bit products (:func:`with_side_adapters`) reading
+    their ``A`` (in, rank) and ``B`` (rank, out) as graph inputs of symbolic
+    rank, defaulting to zeros (no branch: the 4-bit file as it was), their
+    scale 1 (the adapter file holds ``scale * B``). In place, returned."""
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    for name in side:
+        init = inits[name]
+        shape = list(init.dims)
+        shape[1 if name.endswith(".lora_A") else 0] = _RANK
+        graph.input.append(helper.make_tensor_value_info(name, init.data_type, shape))
+        dims = [d if isinstance(d, int) else 0 for d in shape]
+        dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
+        init.CopyFrom(numpy_helper.from_array(np.zeros(dims, dtype), name))
+        scale = inits.get(f"{name[: -len('.lora_A')]}.lora_scale")
+        if scale is not None:
+            scale.CopyFrom(numpy_helper.from_array(np.ones((), dtype), scale.name))
     return model
 
 
@@ -142,6 +170,13 @@ def adapter_parameters(layer) -> dict[str, np.ndarray]:
         with torch.no_grad():
             params[f"{name}.lora_A"] = update.A.detach().cpu().numpy()
             params[f"{name}.lora_B"] = (update.B * update.scale).detach().cpu().numpy()
+    inits = {i.name: i for i in layer._original.graph.initializer}
+    for name in sorted(side_adapters(layer._original)):
+        value = layer.onnx_weight(name).detach().cpu().numpy()
+        if name.endswith(".lora_B"):  # the branch's scale goes into B, as above
+            scale = inits.get(f"{name[: -len('.lora_B')]}.lora_scale")
+            value = value * (numpy_helper.to_array(scale) if scale is not None else 1)
+        params[name] = value
     return params
 
 

@@ -216,7 +216,10 @@ def save_adapters(
     before fine-tuning. onnxruntime applies an adapter with
     ``RunOptions.add_active_adapter(onnxruntime.LoraAdapter())`` after
     ``Load(adapter_path)``; onnxruntime-genai loads the same files.
-    ``layer.save()`` still writes the merged file. Needs maintained
+    ``layer.save()`` still writes the merged file. Branches beside 4-bit
+    products (QLoRA) go out the same way: the base file reads their ``A``
+    (in, rank) and ``B`` (rank, out) as inputs defaulting to zeros, the
+    adapter file holds ``A`` and ``scale * B``. Needs maintained
     onnxruntime (>= 1.20) for the adapter file.
     """
     from . import _adapter_format

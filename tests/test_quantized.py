@@ -1036,3 +1036,20 @@ def test_lora_beside_4bit_products_trains_float_adapters_and_saves_them_beside(t
     with torch.no_grad():
         mine = layer.eval()(x).numpy()
     np.testing.assert_allclose(mine, theirs, atol=scaled_atol(1e-5, theirs))
+    # QLoRA's serving: the 4-bit base file, and the adapters apart in
+    # onnxruntime's adapter format (of any rank: the base's is symbolic).
+    from ortbridge.adapters import save_adapters
+
+    base, adapter = tmp_path / "base.onnx", tmp_path / "qlora.onnx_adapter"
+    save_adapters(layer, base, adapter)
+    session = onnxruntime.InferenceSession(str(base))
+    plain = session.run(None, {"x": x.numpy()})[0]
+    original = onnxruntime.InferenceSession(path).run(None, {"x": x.numpy()})[0]
+    np.testing.assert_allclose(plain, original, atol=scaled_atol(1e-6, original))
+    options = onnxruntime.RunOptions()
+    loaded = onnxruntime.LoraAdapter()
+    loaded.Load(str(adapter))
+    options.add_active_adapter(loaded)
+    served = session.run(None, {"x": x.numpy()}, options)[0]
+    np.testing.assert_allclose(served, mine, atol=scaled_atol(1e-5, mine))
+    assert np.abs(served - plain).max() > 1e-3  # the adapters moved it

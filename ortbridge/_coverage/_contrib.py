@@ -168,12 +168,39 @@ CASES = {
          **_rotary_caches(8, 1)},
         ["y"], constants=("cos", "sin"), num_heads=2, rotary_embedding_dim=2, interleaved=1,
     ),
+    "group_query_attention": lambda: _case(
+        "group_query_attention", "GroupQueryAttention",
+        {"q": _random(2, 5, 32), "k": _random(2, 5, 16, seed=1), "v": _random(2, 5, 16, seed=2),
+         "": np.zeros(0, np.float32), " ": np.zeros(0, np.float32),
+         "seqlens_k": _lengths(4, 4), "total_sequence_length": np.array(5, np.int32)},
+        ["y", "present_key", "present_value"], (T.FLOAT, T.FLOAT), num_heads=4, kv_num_heads=2,
+    ),
+    "group_query_attention_packed_rotary": lambda: _case(
+        "group_query_attention_packed_rotary", "GroupQueryAttention",
+        {"qkv": _random(2, 5, 64, seed=3), "": np.zeros(0, np.float32),
+         " ": np.zeros(0, np.float32), "  ": np.zeros(0, np.float32),
+         "   ": np.zeros(0, np.float32), "seqlens_k": _lengths(4, 4),
+         "total_sequence_length": np.array(5, np.int32), **_rotary_caches(16, 8)},
+        ["y", "present_key", "present_value"], (T.FLOAT, T.FLOAT), constants=("cos", "sin"),
+        num_heads=2, kv_num_heads=1, do_rotary=1,
+    ),
+    "group_query_attention_past": lambda: _case(
+        "group_query_attention_past", "GroupQueryAttention",
+        {"q": _random(1, 3, 16, seed=4), "k": _random(1, 3, 8, seed=5),
+         "v": _random(1, 3, 8, seed=6), "past_key": _random(1, 1, 2, 8, seed=7),
+         "past_value": _random(1, 1, 2, 8, seed=8), "seqlens_k": _lengths(4),
+         "total_sequence_length": np.array(5, np.int32)},
+        ["y", "present_key", "present_value"], (T.FLOAT, T.FLOAT), num_heads=2, kv_num_heads=1,
+    ),
 }  # fmt: skip
 
 
 #: Cases onnxruntime before 1.20 runs otherwise (its MultiHeadAttention
-#: kernel reads the mask and bias differently): the engine refuses them there.
-NEWER = frozenset({"multi_head_attention", "multi_head_attention_bias"})
+#: kernel reads the mask and bias differently, its GroupQueryAttention a past
+#: state): the engine refuses them there.
+NEWER = frozenset(
+    {"multi_head_attention", "multi_head_attention_bias", "group_query_attention_past"}
+)
 
 
 def contrib_cases(op_keys=None) -> list[NodeCase]:

@@ -82,6 +82,8 @@ NON_DIFFERENTIABLE_SLOTS = {
     # rotary embeddings (onnxruntime's, and ONNX's from opset 23): positions and
     # the cosine and sine caches are inputs 1-3 in both
     "RotaryEmbedding": {1, 2, 3},
+    # grouped-query attention: sequence lengths, total length, rotary caches
+    "GroupQueryAttention": {5, 6, 7, 8},
     # onnxruntime's dynamically quantized LSTM: sequence lengths, the int8
     # weights' scales and zero points
     "DynamicQuantizeLSTM": {4, 8, 9, 10, 11},

@@ -96,6 +96,72 @@ def test_view_simplification_infers_shapes_once(monkeypatch):
     np.testing.assert_array_equal(ReferenceEvaluator(simplified).run(None, feed)[0], want)
 
 
+def test_a_slice_that_crops_nothing_is_a_view_and_a_reversing_one_is_not():
+    """onnx-ad crops a weight gradient to the kernel's size, which it often has
+    already: that Slice joins the chain of views around it (one Reshape)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    from ortbridge._engines.onnxruntime.passes import _simplify
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "r")]
+    consts = {
+        "starts": [0], "ends": [3], "axes": [1], "last": [-1], "before": [-(2**62)],
+        "back": [-1], "unit": [2, 3, 1], "flat": [3, 2],
+    }  # fmt: skip
+    inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in consts.items()]
+    nodes = [
+        helper.make_node("Reshape", ["x", "unit"], ["xu"]),
+        helper.make_node("Slice", ["xu", "starts", "ends", "axes"], ["whole"]),
+        helper.make_node("Reshape", ["whole", "flat"], ["y"]),
+        helper.make_node("Slice", ["x", "last", "before", "axes", "back"], ["r"]),
+    ]
+    model = helper.make_model(
+        helper.make_graph(nodes, "crops", [x], outs, inits),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    feed = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    want = ReferenceEvaluator(model).run(None, feed)
+    _simplify.simplify(model)
+    ops = [n.op_type for n in model.graph.node if n.op_type != "Constant"]
+    assert ops.count("Slice") == 1 and ops.count("Reshape") == 1, ops
+    for got, expected in zip(ReferenceEvaluator(model).run(None, feed), want):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_a_reduction_whose_views_drop_its_kept_axes_drops_them_itself():
+    """A BatchNorm's weight gradient: summed over (N, H, W) keeping the axes,
+    then viewed as (C,) and as onnx-ad's (C, 1): the sum writes (C,), the
+    other view reads it; one node less, the same values."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    from ortbridge._engines.onnxruntime.passes import _optimize, _reductions
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("c", "col")]
+    consts = {"axes": [0, 2], "flat": [3], "column": [3, 1]}
+    inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in consts.items()]
+    nodes = [
+        helper.make_node("ReduceSum", ["x", "axes"], ["s"], keepdims=1),
+        helper.make_node("Reshape", ["s", "column"], ["col"]),
+        helper.make_node("Reshape", ["s", "flat"], ["c"]),
+    ]
+    model = helper.make_model(
+        helper.make_graph(nodes, "sums", [x], outs, inits),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    feed = {"x": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}
+    want = ReferenceEvaluator(model).run(None, feed)
+    _reductions.reductions_dropping_axes(model, _optimize.facts(model))
+    assert [n.op_type for n in model.graph.node] == ["ReduceSum", "Reshape"]
+    for got, expected in zip(ReferenceEvaluator(model).run(None, feed), want):
+        np.testing.assert_array_equal(got, expected)
+
+
 def _viewed_product(reader: str):
     """x, w (4, 3) viewed with a unit axis and multiplied (a product lifting makes
     a view), that view read by ``reader`` ("Tanh": a computing op; "Squeeze":

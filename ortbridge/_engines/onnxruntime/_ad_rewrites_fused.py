@@ -35,6 +35,14 @@ to float rounding). Inference sessions run the file's fused kernels.
   :data:`ortbridge._prepare._weights.NON_DIFFERENTIABLE_SLOTS`). The
   forward of the gradient graph multiplies in float, as accuracy level 0
   does (a higher level rounds the input to int8 in the kernel).
+- ``GroupQueryAttention`` (causal; separate or packed query, key and
+  value): each key-value head serves ``num_heads / kv_num_heads`` query
+  heads, rotary embeddings from its caches at positions after the past
+  state, keys after a sequence's last token (``seqlens_k``) and after the
+  query masked; the past state goes before the new keys (its present
+  outputs). Position ids, attention bias, head sinks, a window, a softcap,
+  smooth softmax, and a past state on onnxruntime 1.19 (whose kernel reads
+  it otherwise) are left: refused by name.
 - ``RotaryEmbedding`` (input of three axes, batch by sequence by hidden;
   position ids per token or one offset): each head's first rotary
   dimensions turned by the cosines and sines its positions gather, in
@@ -64,7 +72,7 @@ FUSED = frozenset(
         "SkipLayerNormalization", "SimplifiedLayerNormalization",
         "SkipSimplifiedLayerNormalization", "BiasGelu", "FastGelu", "Gelu", "FusedMatMul",
         "Attention", "MultiHeadAttention", "EmbedLayerNormalization", "MatMulNBits",
-        "RotaryEmbedding",
+        "RotaryEmbedding", "GroupQueryAttention",
     }
 )  # fmt: skip
 
@@ -278,8 +286,16 @@ class _Writer:
             for t in (cos, sin)
         )
         heads_of = self.op("Reshape", [x, self._axes([0, 0, heads, head])])
+        result = self._rotate(heads_of, (c, s), half, head, attr(node, "interleaved", 0))
+        self.op("Reshape", [result, self._axes([0, 0, hidden])], self._out(0))
+        return self.out
+
+    def _rotate(self, heads_of: str, cos_sin, half: int, head: int, interleaved) -> str:
+        """(B, S, N, head) with each head's first ``2 * half`` dimensions turned by
+        cosines and sines (B or 1, S, 1, half), in halves or interleaved pairs."""
+        (c, s), rotary = cos_sin, 2 * half
         turned = self._slice_last(heads_of, 0, rotary)
-        if attr(node, "interleaved", 0):
+        if interleaved:
             pairs = self.op("Reshape", [turned, self._axes([0, 0, 0, half, 2])])
             first, second = (self.op("Gather", [pairs, self._int(i)], axis=4) for i in (0, 1))
         else:
@@ -289,7 +305,7 @@ class _Writer:
             )
         new_first = self.op("Sub", [self.op("Mul", [first, c]), self.op("Mul", [second, s])])
         new_second = self.op("Add", [self.op("Mul", [second, c]), self.op("Mul", [first, s])])
-        if attr(node, "interleaved", 0):
+        if interleaved:
             last = self._axes([-1])
             ends = [self.op("Unsqueeze", [t, last]) for t in (new_first, new_second)]
             stacked = self.op("Concat", ends, axis=-1)
@@ -298,8 +314,7 @@ class _Writer:
             result = self.op("Concat", [new_first, new_second], axis=-1)
         if rotary < head:
             result = self.op("Concat", [result, self._slice_last(heads_of, rotary, head)], axis=-1)
-        self.op("Reshape", [result, self._axes([0, 0, hidden])], self._out(0))
-        return self.out
+        return result
 
     def _slice_last(self, x: str, start: int, end: int) -> str:
         return self.op("Slice", [x, self._axes([start]), self._axes([end]), self._axes([-1])])
@@ -441,6 +456,115 @@ class _Writer:
         if self._in(5):
             penalties.append(self._in(5))  # (B or 1, N, S, T): added as it is
         return self._attend(query, key, value, heads, hidden, penalties)
+
+    def GroupQueryAttention(self):
+        node = self.node
+        if any(self._in(i) for i in range(9, 14)) or any(node.output[3:]):
+            return None  # position ids, attention bias, head sinks; scores out: left
+        if attr(node, "local_window_size", -1) != -1 or attr(node, "softcap", 0.0):
+            return None
+        if attr(node, "smooth_softmax", 0) or (self._in(3) and _ort.version() < (1, 20)):
+            return None  # onnxruntime 1.19's kernel reads a past state otherwise
+        heads, kv_heads = attr(node, "num_heads", 0), attr(node, "kv_num_heads", 0)
+        query, key, value = self._in(0), self._in(1), self._in(2)
+        shape = self.shapes.get(query)
+        if not heads or not kv_heads or heads % kv_heads or not shape or len(shape) != 3:
+            return None
+        if not isinstance(shape[2], int) or not self._in(5):
+            return None
+        if not key:  # packed: query | key | value along the last axis
+            head = shape[2] // (heads + 2 * kv_heads)
+            names = [self._name(part) for part in ("q", "k", "v")]
+            sizes = self._axes([heads * head, kv_heads * head, kv_heads * head])
+            self.out.append(
+                helper.make_node("Split", [query, sizes], names, self._name("split"), axis=-1)
+            )
+            query, key, value = names
+        else:
+            head = shape[2] // heads
+        q, k, v = (
+            self.op("Reshape", [t, self._axes([0, 0, n, head])])
+            for t, n in ((query, heads), (key, kv_heads), (value, kv_heads))
+        )  # (B, S, N, head)
+        if attr(node, "do_rotary", 0):
+            cache = self.shapes.get(self._in(7))
+            if not cache or len(cache) != 2 or not isinstance(cache[1], int):
+                return None
+            past = self._past_length()
+            steps = self.op("Add", [self._positions(query), past])  # P .. P+S-1
+            c, s = (
+                self.op("Unsqueeze", [self.op("Gather", [t, steps], axis=0), self._axes([1])])
+                for t in (self._in(7), self._in(8))
+            )  # (S, 1, half)
+            interleaved = attr(node, "rotary_interleaved", 0)
+            q, k = (self._rotate(t, (c, s), cache[1], head, interleaved) for t in (q, k))
+        q, k, v = (self.op("Transpose", [t], perm=[0, 2, 1, 3]) for t in (q, k, v))
+        if self._in(3):  # the past state before the new keys and values
+            k = self.op("Concat", [self._in(3), k], axis=2)
+            v = self.op("Concat", [self._in(4), v], axis=2)
+        for pos, t in ((1, k), (2, v)):
+            if self._out(pos):
+                self.op("Identity", [t], self._out(pos))
+        if heads != kv_heads:  # each key-value head serves heads / kv_heads query heads
+            group = heads // kv_heads
+            k, v = (
+                self.op(
+                    "Reshape",
+                    [
+                        self.op(
+                            "Concat", [self.op("Unsqueeze", [t, self._axes([2])])] * group, axis=2
+                        ),
+                        self._axes([0, heads, -1, head]),
+                    ],
+                )  # fmt: skip
+                for t in (k, v)
+            )
+        scale = attr(node, "scale", 0.0) or 1.0 / math.sqrt(head)
+        scores = self.op(
+            "Mul",
+            [
+                self.op("MatMul", [q, self.op("Transpose", [k], perm=[0, 1, 3, 2])]),
+                self.const(scale),
+            ],
+        )
+        keep = self._causal_and_valid(q, k, self._in(5))
+        lowest = self.const(float(np.finfo(np_dtype(self.elem)).min))
+        probs = self.op("Softmax", [self.op("Where", [keep, scores, lowest])], axis=-1)
+        context = self.op("Transpose", [self.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])
+        self.op("Reshape", [context, self._axes([0, 0, heads * head])], self._out(0))
+        return self.out
+
+    def _past_length(self) -> str:
+        """The past state's length (one int64), 0 without one."""
+        if not self._in(3):
+            return self._int(0)
+        return self._shape_part(self._in(3), 2)
+
+    def _causal_and_valid(self, q: str, k: str, lengths: str) -> str:
+        """(B, 1, S, T): key ``j`` for query ``i`` where ``j <= i + T - S`` (causal
+        after the past) and ``j <= seqlens_k[b]`` (the sequence's last token)."""
+        steps_q, steps_k = (
+            self.op("Range", [self._int(0), self._dim(t, 2), self._int(1)]) for t in (q, k)
+        )
+        gap = self.op("Sub", [self._dim(k, 2), self._dim(q, 2)])
+        offset = self.op(
+            "Sub",
+            [self.op("Unsqueeze", [steps_k, self._axes([0])]),
+             self.op("Unsqueeze", [steps_q, self._axes([1])])],
+        )  # fmt: skip
+        causal = self.op("LessOrEqual", [offset, gap])  # (S, T)
+        last = self.op("Cast", [lengths], to=TensorProto.INT64)
+        valid = self.op(
+            "LessOrEqual",
+            [self.op("Unsqueeze", [steps_k, self._axes([0])]),
+             self.op("Unsqueeze", [last, self._axes([1])])],
+        )  # fmt: skip
+        valid = self.op("Unsqueeze", [valid, self._axes([1, 2])])  # (B, 1, 1, T)
+        return self.op("And", [causal, valid])
+
+    def _dim(self, x: str, index: int) -> str:
+        """Dimension ``index`` of ``x`` as an int64 scalar."""
+        return self.op("Squeeze", [self._shape_part(x, index), self._axes([0])])
 
     def _split3(self, packed: str, hidden: int) -> list[str]:
         names = [self._name(part) for part in ("q", "k", "v")]

@@ -35,7 +35,7 @@ from ._norm_stats import forward_norm_statistics
 from ._opset18 import raise_to_opset18
 from ._optimize import Facts, _shapes, extended, facts, optimize_reverse
 from ._pool_grad import maxpool_gradients
-from ._reductions import fast_reductions
+from ._reductions import fast_reductions, reductions_dropping_axes
 from ._scalar_operands import full_rank_scalars
 from ._scatter_sums import concat_scatter_sums, half_scatters_in_float
 from ._short_broadcasts import spread_short_broadcasts
@@ -147,6 +147,7 @@ def _known_shape_forms(g: Graphs) -> None:
         full_rank_scalars(g.backward, found)
         spread_short_broadcasts(g.backward, found)
         merge_reshapes(g.backward.graph)
+        reductions_dropping_axes(g.backward, found)
 
 
 PASSES: tuple[Pass, ...] = (

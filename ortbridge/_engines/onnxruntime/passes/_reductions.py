@@ -2,7 +2,9 @@
 
 Run on the onnxruntime engine's backward once its other rewrites are done.
 The same elements are reduced; onnxruntime may add them in another order
-(float rounding may differ in the last place).
+(float rounding may differ in the last place). A reduction that keeps its
+axes only for a ``Reshape`` to drop them drops them itself
+(:func:`reductions_dropping_axes`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from onnx import helper, numpy_helper
 from ortbridge._prepare._lookup import _unique
 
 from ._optimize import Facts, _const, facts, reduce_axes, replace_nodes
-from ._simplify import _constants, _static, reshape
+from ._simplify import _constants, _live, _static, reshape
 
 #: Reductions onnxruntime runs slowly where a unit axis follows the reduced ones.
 _REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"})
@@ -86,3 +88,80 @@ def _fast_reduction(node, found, constants) -> list | None:
 
 
 _GEMV_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})
+
+
+def reductions_dropping_axes(model: onnx.ModelProto, found: Facts) -> None:
+    """A reduction keeping its axes (``keepdims=1``) read only by ``Reshape``
+    nodes, one to its shape without them (a BatchNorm's weight gradient,
+    ``(1, C, 1, 1)`` to ``(C,)``), writes that shape itself (``keepdims=0``)
+    and the others view it: a node less, the same values. The reduced
+    tensor's shape is the inferred one or, where a pass added it since, its
+    producing ``Reshape``'s constant target. In place.
+    """
+    graph = model.graph
+    kept_axes = [
+        n for n in graph.node
+        if n.op_type in _REDUCTIONS and not n.domain
+        and next((a.i for a in n.attribute if a.name == "keepdims"), 1) == 1
+    ]  # fmt: skip
+    if not kept_axes:
+        return
+    constants = _constants(graph)
+    producer = {o: n for n in graph.node for o in n.output}
+    sums = {n.output[0] for n in kept_axes}
+    users_of = {name: [] for name in sums}
+    for node in graph.node:
+        for name in set(node.input) & sums:
+            users_of[name].append(node)
+    outputs = {o.name for o in graph.output}
+    dropped = set()
+    for node in kept_axes:
+        if node.output[0] in outputs:
+            continue
+        users = users_of[node.output[0]]
+        targets = [_target(user, constants) for user in users]
+        shape = _shape_of(node.input[0], found, producer, constants)
+        listed = reduce_axes(node, constants)
+        if not users or None in targets or shape is None or not listed:
+            continue
+        axes = {int(a) % len(shape) for a in listed}
+        dropping = [d for a, d in enumerate(shape) if a not in axes]
+        if dropping not in targets:
+            continue
+        for attribute in node.attribute:
+            if attribute.name == "keepdims":
+                attribute.i = 0
+                break
+        else:
+            node.attribute.append(helper.make_attribute("keepdims", 0))
+        same = users[targets.index(dropping)]
+        for user in users:  # the other views view the reduction's output
+            user.input[0] = same.output[0]
+        node.output[0] = same.output[0]
+        dropped.add(id(same))
+    if dropped:
+        kept = _live([n for n in graph.node if id(n) not in dropped], outputs)
+        del graph.node[:]
+        graph.node.extend(kept)
+
+
+def _target(node, constants) -> list | None:
+    """A ``Reshape``'s constant target without 0 (a size copied from its input)."""
+    if node.op_type != "Reshape" or node.domain or len(node.input) < 2:
+        return None
+    target = constants.get(node.input[1])
+    if target is None or not np.all(np.ravel(target) != 0):
+        return None
+    return np.ravel(target).tolist()
+
+
+def _shape_of(name, found, producer, constants) -> list | None:
+    shape = found.shapes.get(name)
+    if _static(shape):
+        return list(shape)
+    view = producer.get(name)
+    if view is not None and view.op_type == "Reshape" and view.input[1] in constants:
+        target = np.ravel(constants[view.input[1]]).tolist()
+        if all(d > 0 for d in target):
+            return target
+    return None

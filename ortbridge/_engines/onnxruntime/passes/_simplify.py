@@ -11,7 +11,8 @@ both are views of their input:
 - a chain of ``Identity``/``Reshape``/``Squeeze``/``Unsqueeze``/``Flatten``
   nodes is one ``Reshape`` of the chain's first input (an ``Identity`` when
   the shapes are equal, which onnxruntime removes);
-- a ``ReduceSum`` over axes of size 1 is such a view;
+- a ``ReduceSum`` over axes of size 1 is such a view, and so is a
+  ``Slice`` that crops nothing (the same shape out, no reversing step);
 - an elementwise ``Mul``/``Add``/``Sub``/``Div`` of two views of same-shaped
   tensors (or of one view and a one-element tensor) is the view of the
   operation on the tensors; an ``Expand`` feeding one of them is left out
@@ -217,6 +218,8 @@ def _viewed(node: onnx.NodeProto, shapes: dict, constants: dict) -> str | None:
         return None
     if node.op_type in _VIEWS:
         return node.input[0]
+    if node.op_type == "Slice":
+        return _whole_slice(node, shapes, constants)
     if node.op_type != "ReduceSum":
         return None
     shape = shapes.get(node.input[0])
@@ -233,6 +236,16 @@ def _viewed(node: onnx.NodeProto, shapes: dict, constants: dict) -> str | None:
     if all(shape[a] == 1 for a in axes):
         return node.input[0]
     return None
+
+
+def _whole_slice(node: onnx.NodeProto, shapes: dict, constants: dict) -> str | None:
+    """A ``Slice`` cropping nothing (onnx-ad's crop of a weight gradient of the
+    kernel's size already): its input; a reversing one is no view."""
+    shape, steps = shapes.get(node.input[0]), node.input[4] if len(node.input) > 4 else ""
+    if not _static(shape) or shapes.get(node.output[0]) != shape:
+        return None
+    reverses = steps and (steps not in constants or np.any(np.ravel(constants[steps]) < 0))
+    return None if reverses else node.input[0]
 
 
 def _view(source: str, out: str, shapes: dict, taken: set, name: str) -> list:

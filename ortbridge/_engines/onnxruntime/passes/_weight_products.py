@@ -1,5 +1,9 @@
 """A transpose of ``X^T G`` computed as ``G^T X``: a weight's gradient written where it goes.
 
+(And of ``X F^T`` as ``F X^T``: a 1x1 convolution's weight gradient, which
+:mod:`._conv_grad` writes as that product in the input channels' order and
+onnx-ad's adjoint then transposes to the filters'.)
+
 A weight that a batched MatMul reads transposed (torch's ``Linear`` on
 input of three or more axes: ``x @ W^T``) gets onnx-ad's gradient of
 ``W^T``, summed over the flattened batch as ``X^T G`` (the rewrite in
@@ -105,22 +109,29 @@ def _rewrite(node, found) -> list | None:
     product = _product_viewed(node.input[0], found)
     if product is None:
         return None
-    left, right = product
-    # The transpose's input, unit axes aside, is the (k, n) product itself.
-    if (viewed[first], viewed[second]) != (shapes[left.input[0]][1], shapes[right][1]):
+    kept, other, side, rows, columns = product
+    # The transpose's input, unit axes aside, is the (rows, columns) product itself.
+    if (viewed[first], viewed[second]) != (rows, columns):
         return None
     base = node.output[0]
-    g_t, swapped = _unique(f"{base}_gt", found.taken), _unique(f"{base}_swapped", found.taken)
+    flipped, swapped = _unique(f"{base}_t", found.taken), _unique(f"{base}_swapped", found.taken)
+    operands = [flipped, kept] if side == 0 else [kept, flipped]
     return [
-        helper.make_node("Transpose", [right], [g_t], perm=[1, 0]),
-        helper.make_node("MatMul", [g_t, left.input[0]], [swapped]),
+        helper.make_node("Transpose", [other], [flipped], perm=[1, 0]),
+        helper.make_node("MatMul", operands, [swapped]),
         *reshape(swapped, out, base, found.taken, node.name),
     ]
 
 
 def _product_viewed(name, found):
-    """``(Transpose node of X, G)`` where ``name`` is a view, read once each step,
-    of ``MatMul(Transpose(X), G)`` over matrices; None otherwise."""
+    """Where ``name`` is a view, read once each step, of a product of two
+    matrices one of which a ``Transpose`` gives: ``MatMul(Transpose(X), G)``
+    (``X^T G``, transposed ``G^T X``) or ``MatMul(X, Transpose(F))`` (a 1x1
+    convolution's weight gradient ``X F^T``, transposed ``F X^T``), the
+    ``(X or F, the other operand, which side the Transpose was on, the
+    product's rows, its columns)``; None otherwise. The transposed product is
+    ``MatMul`` of the other operand transposed and the Transpose's input, in
+    their sides' order swapped."""
     node = found.producer.get(name)
     while node is not None and node.op_type in _VIEWS and node.domain in ("", "ai.onnx"):
         if found.readers.get(node.output[0]) != 1:
@@ -130,12 +141,17 @@ def _product_viewed(name, found):
         return None
     if found.readers.get(node.output[0]) != 1:
         return None
-    left = found.producer.get(node.input[0])
-    if left is None or left.op_type != "Transpose" or left.domain not in ("", "ai.onnx"):
-        return None
-    x, g = found.shapes.get(left.input[0]), found.shapes.get(node.input[1])
-    if not _static(x) or not _static(g) or len(x) != 2 or len(g) != 2:
-        return None
-    if _perm(left) not in (None, [1, 0]):
-        return None
-    return left, node.input[1]
+    for side in (0, 1):
+        flip = found.producer.get(node.input[side])
+        if flip is None or flip.op_type != "Transpose" or flip.domain not in ("", "ai.onnx"):
+            continue
+        kept, other = flip.input[0], node.input[1 - side]
+        a, b = found.shapes.get(kept), found.shapes.get(other)
+        if not _static(a) or not _static(b) or len(a) != 2 or len(b) != 2:
+            return None
+        if _perm(flip) not in (None, [1, 0]):
+            return None
+        # X^T G: (k, n) from X (m, k), G (m, n); X F^T: (m, n) from X (m, k), F (n, k)
+        rows, columns = (a[1], b[1]) if side == 0 else (b[0], a[0])
+        return kept, other, side, rows, columns
+    return None
