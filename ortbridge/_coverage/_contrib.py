@@ -139,6 +139,21 @@ CASES = {
          "attention_bias": _random(1, 2, 4, 6, seed=4)},
         ["y"], num_heads=2,
     ),
+    "attention_past_unidirectional": lambda: _case(
+        "attention_past_unidirectional", "Attention",
+        {"x": _random(2, 3, 16, seed=14), "w": _random(16, 48, seed=15) * 0.3,
+         "bias": _random(48, seed=16), "mask": np.array([[1] * 7, [0, 1, 1, 1, 1, 1, 1]], np.int32),
+         "past": _random(2, 2, 2, 4, 8, seed=17)},
+        ["y", "present"], (T.FLOAT,), num_heads=2, unidirectional=1,
+    ),
+    "multi_head_attention_past": lambda: _case(
+        "multi_head_attention_past", "MultiHeadAttention",
+        {"q": _random(2, 3, 16, seed=9), "k": _random(2, 3, 16, seed=10),
+         "v": _random(2, 3, 16, seed=11), "": np.zeros(0, np.float32),
+         " ": np.zeros(0, np.int32), "  ": np.zeros(0, np.float32),
+         "past_key": _random(2, 2, 4, 8, seed=12), "past_value": _random(2, 2, 4, 8, seed=13)},
+        ["y", "present_key", "present_value"], (T.FLOAT, T.FLOAT), num_heads=2,
+    ),
     "embed_layer_norm": lambda: _case(
         "embed_layer_norm", "EmbedLayerNormalization",
         {"ids": np.array([[1, 4, 2, 9, 3], [0, 5, 5, 7, 1]], np.int32),

@@ -18,15 +18,19 @@ to float rounding). Inference sessions run the file's fused kernels.
 - ``EmbedLayerNormalization``: the word, position (``0..S-1`` or its
   ``position_ids``) and segment embeddings gathered and summed, layer
   normalised; its mask index is the mask's sum per sequence.
-- ``Attention`` (no past state, no attention bias): the input times the
+- ``Attention`` (no attention bias): the input times the
   packed QKV weight plus its bias, split into heads, ``softmax(Q K^T * scale
   + mask) V``; a mask index of one length per sequence (right padding) or a
   raw 0/1 mask adds ``mask_filter_value`` where masked, and so does
   ``unidirectional`` above the diagonal.
-- ``MultiHeadAttention`` (separate query, key and value of three axes, no
-  past state): the same, with its packed bias, key padding mask and
-  attention bias (the mask and the bias from onnxruntime 1.20: 1.19's
-  kernel reads them otherwise). Other forms are left: refused by name.
+- ``MultiHeadAttention`` (separate query, key and value of three axes):
+  the same, with its packed bias, key padding mask and attention bias (the
+  mask and the bias from onnxruntime 1.20: 1.19's kernel reads them
+  otherwise). Other forms are left: refused by name.
+- A past state (``Attention``'s stacked keys and values, or
+  ``MultiHeadAttention``'s two) goes before the new keys and values, the
+  present outputs their concatenation, and a causal mask is offset by its
+  length.
 - ``MatMulNBits`` (4 bits, the quantizer's blockwise weight-only form): the
   input times the weight dequantized from its packed blocks (low nibble
   first, ``(q - zero point) * scale`` per block, zero point 8 when absent),
@@ -410,9 +414,11 @@ class _Writer:
 
     def Attention(self):
         node = self.node
-        extra = [self._in(i) for i in range(4, 8)]
-        if any(extra) or any(node.output[1:]):
-            return None  # past state, attention bias: left (refused by name)
+        if any(self._in(i) for i in range(5, 8)) or any(node.output[2:]):
+            return None  # attention bias, a shared cache's length: left (refused by name)
+        past = self._in(4)  # (2, B, N, P, head): keys, values
+        if past and self._in(3) and len(self.shapes.get(self._in(3)) or ()) != 2:
+            return None  # a mask index with a past state: left
         if attr(node, "do_rotary", 0) or attr(node, "qkv_hidden_sizes", None):
             return None
         heads = attr(node, "num_heads")
@@ -427,12 +433,18 @@ class _Writer:
         penalties = []
         if self._in(3):
             penalties.append(self._mask_penalty(self._in(3), self._in(0)))
-        return self._attend(*names, heads, hidden, penalties)
+        if not past:
+            return self._attend(*names, heads, hidden, penalties)
+        states = [self.op("Gather", [past, self._int(i)], axis=0) for i in (0, 1)]
+        return self._attend(*names, heads, hidden, penalties, states, (self._out(1),))
 
     def MultiHeadAttention(self):
         node = self.node
-        if any(self._in(i) for i in range(6, 10)) or any(node.output[1:]):
-            return None  # past state: left (refused by name)
+        past = (self._in(6), self._in(7))
+        if any(self._in(i) for i in (8, 9)) or node.output[3:4] and node.output[3]:
+            return None  # a shared cache's length, beam indices, scores out: left
+        if any(past) and (not all(past) or self._in(4)):
+            return None  # a past state with a key padding mask (its length): left
         if (self._in(4) or self._in(5)) and _ort.version() < (1, 20):
             # onnxruntime 1.19's kernel reads a key padding mask and an
             # attention bias otherwise (its outputs differ from these ops').
@@ -455,6 +467,10 @@ class _Writer:
             penalties.append(self._mask_penalty(self._in(4), key))
         if self._in(5):
             penalties.append(self._in(5))  # (B or 1, N, S, T): added as it is
+        if any(past):
+            return self._attend(
+                query, key, value, heads, hidden, penalties, past, (self._out(1), self._out(2))
+            )
         return self._attend(query, key, value, heads, hidden, penalties)
 
     def GroupQueryAttention(self):
@@ -574,9 +590,11 @@ class _Writer:
         )
         return names
 
-    def _attend(self, q, k, v, heads, hidden, penalties):
+    def _attend(self, q, k, v, heads, hidden, penalties, past=(), present=()):
         """``softmax(Q K^T * scale + penalties [+ causal]) V`` over ``heads``
-        heads, as (B, S, hidden)."""
+        heads, as (B, S, hidden); ``past``: the key and value states (B, N,
+        P, head) before the new ones, the concatenations written to
+        ``present`` (two names, or one: Attention's, stacked)."""
         if any(p is None for p in penalties):
             return None
         size = hidden // heads
@@ -584,8 +602,19 @@ class _Writer:
         heads_shape = self._axes([0, 0, heads, size])
         q, k, v = (self.op("Reshape", [n, heads_shape]) for n in (q, k, v))
         q = self.op("Transpose", [q], perm=[0, 2, 1, 3])
-        k = self.op("Transpose", [k], perm=[0, 2, 3, 1])
         v = self.op("Transpose", [v], perm=[0, 2, 1, 3])
+        if past:
+            k = self.op("Concat", [past[0], self.op("Transpose", [k], perm=[0, 2, 1, 3])], axis=2)
+            v = self.op("Concat", [past[1], v], axis=2)
+            if len(present) == 1 and present[0]:  # Attention's: the two stacked
+                stacked = [self.op("Unsqueeze", [t, self._axes([0])]) for t in (k, v)]
+                self.op("Concat", stacked, present[0], axis=0)
+            for out, state in zip(present if len(present) == 2 else (), (k, v)):
+                if out:
+                    self.op("Identity", [state], out)
+            k = self.op("Transpose", [k], perm=[0, 1, 3, 2])
+        else:
+            k = self.op("Transpose", [k], perm=[0, 2, 3, 1])
         scores = self.op("Mul", [self.op("MatMul", [q, k]), self.const(scale)])
         if attr(self.node, "unidirectional", 0):
             penalties = [*penalties, self._causal_penalty(scores)]
@@ -597,13 +626,16 @@ class _Writer:
         return self.out
 
     def _causal_penalty(self, scores: str) -> str:
-        """``mask_filter_value`` above the diagonal (a key after its query), as (S, T)."""
+        """``mask_filter_value`` where a key comes after its query, the queries
+        the last S of T positions (after a past state), as (S, T)."""
         shape = self.op("Shape", [scores])
         square = self.op("Slice", [shape, self._axes([2]), self._axes([4])])
         ones = self.op(
             "ConstantOfShape", [square], value=numpy_helper.from_array(np.ones(1, np.int64))
         )
-        keep = self.op("Cast", [self.op("Trilu", [ones], upper=0)], to=TensorProto.BOOL)
+        sizes = [self.op("Gather", [shape, self._int(axis)], axis=0) for axis in (3, 2)]
+        lower = self.op("Trilu", [ones, self.op("Sub", sizes)], upper=0)
+        keep = self.op("Cast", [lower], to=TensorProto.BOOL)
         fill = self.const(attr(self.node, "mask_filter_value", -10000.0))
         return self.op("Where", [keep, self.const(0.0), fill])
 
