@@ -56,13 +56,21 @@ def _attrs(node):
 class FakeQuantized(torch.nn.Module):
     """A QDQ file as torch computes it under fake quantization (see the module)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, learnable_scales: bool = False):
         super().__init__()
         model = onnx.load(path)
         self.graph = model.graph
         self.consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
         self.weights = torch.nn.ParameterDict()
         self._names = {}
+        #: With ``learnable_scales``: each pair's scale a parameter (by its
+        #: initializer's name), under torch's LSQ fake quantization.
+        self.scales = {}
+        if learnable_scales:
+            for node in self.graph.node:
+                if node.op_type == "DequantizeLinear" and node.input[1] not in self.scales:
+                    value = torch.from_numpy(self.consts[node.input[1]].astype(np.float32))
+                    self.scales[node.input[1]] = torch.nn.Parameter(value.clone())
         for node in self.graph.node:
             if node.op_type == "DequantizeLinear" and node.input[0] in self.consts:
                 scale, zero = self._params(node)
@@ -114,6 +122,17 @@ class FakeQuantized(torch.nn.Module):
     def _fake(self, x, node):
         scale, zero = self._params(node)
         info = _Range(*_limits(zero))
+        if node.input[1] in self.scales:
+            learnt = self.scales[node.input[1]]
+            zero_f = torch.from_numpy(zero.astype(np.float32))
+            if scale.size == 1:
+                return torch._fake_quantize_learnable_per_tensor_affine(
+                    x, learnt.reshape(1), zero_f.reshape(1), int(info.min), int(info.max), 1.0
+                )
+            return torch._fake_quantize_learnable_per_channel_affine(
+                x, learnt, zero_f, _attrs(node).get("axis", 1) % x.dim(), int(info.min),
+                int(info.max), 1.0,
+            )  # fmt: skip
         if scale.size == 1:
             return torch.fake_quantize_per_tensor_affine(
                 x, float(scale.reshape(())), int(zero.reshape(())), int(info.min), int(info.max)

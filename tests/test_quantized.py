@@ -279,6 +279,82 @@ def test_gradients_equal_torch_fake_quantization(files, case):
         torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=scaled_atol(1e-5, want))
 
 
+def _pair_scales(model: onnx.ModelProto) -> set[str]:
+    """The scales of the file's pairs (not an int32 bias's)."""
+    int32 = {i.name for i in model.graph.initializer if i.data_type == T.INT32}
+    return {
+        n.input[1] for n in model.graph.node
+        if n.op_type == "DequantizeLinear" and n.input[0] not in int32
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["per-tensor-uint8", "per-channel-uint8"])
+def test_scales_named_trainable_train_as_torch_lsq_and_are_saved(files, form, tmp_path):
+    """LSQ: scales named in ``trainable=`` get torch's
+    ``_fake_quantize_learnable_per_*_affine`` gradients (weights' and
+    activations', per tensor and per channel), once the weights are off the
+    grid (on it, a weight's is zero up to rounding); the saved file holds the
+    trained scales and the weights' integers on them."""
+    path = files["mlp", form]
+    original = onnx.load(path)
+    scales = _pair_scales(original)
+    default = {n for n, _ in OnnxModule(path).named_onnx_parameters()}
+    assert not scales & default  # fixed unless asked for
+    layer = OnnxModule(path, trainable=default | scales)
+    reference = FakeQuantized(path, learnable_scales=True)
+    x = torch.from_numpy(_input("mlp"))
+    trained = dict(layer.named_onnx_parameters())
+    for step in range(2):  # the first moves every weight off the grid, alike
+        layer.zero_grad()
+        reference.zero_grad()
+        for t in reference.scales.values():
+            t.grad = None
+        y1, y2 = layer(x), reference(x)[0]
+        torch.testing.assert_close(y1, y2, rtol=0, atol=scaled_atol(1e-5, y2))
+        cotangent = torch.randn(y1.shape, generator=torch.Generator().manual_seed(step))
+        (y1 * cotangent).sum().backward()
+        (y2 * cotangent).sum().backward()
+        if step == 0:
+            with torch.no_grad():
+                for name in default & set(reference._names):
+                    trained[name] -= 0.01 * trained[name].grad
+                    reference.parameter(name).copy_(trained[name])
+    largest = max(float(reference.scales[n].grad.abs().max()) for n in scales)
+    assert largest > 0
+    for name in scales:
+        want = reference.scales[name].grad
+        got = trained[name].grad.reshape(want.shape)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * largest, msg=name)
+        if name.endswith("weight_scale"):
+            assert float(want.abs().max()) > 1e-4 * largest, name  # off the grid: not zero
+    groups = [
+        {"params": [trained[n] for n in default], "lr": 0.01},
+        {"params": [trained[n] for n in scales], "lr": 1e-8},  # LSQ's scales: small steps
+    ]
+    torch.optim.SGD(groups).step()
+    saved = tmp_path / "lsq.onnx"
+    after = _saved_in_its_form(layer, original, saved)
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in after.graph.initializer}
+    for name in scales:
+        np.testing.assert_array_equal(values[name], trained[name].detach().numpy())
+    for node in after.graph.node:  # each weight's integers on its trained scale
+        if node.op_type != "DequantizeLinear" or node.input[0] not in default:
+            continue
+        q, scale, zero = (values[n] for n in node.input)
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        shape = [-1 if a == axis % max(q.ndim, 1) else 1 for a in range(q.ndim)]
+        step, offset = (v.reshape(shape) if v.size > 1 else v.reshape(()) for v in (scale, zero))
+        w = trained[node.input[0]].detach().numpy()
+        info = np.iinfo(q.dtype)
+        want = np.clip(np.rint(w / step) + offset.astype(np.int64), info.min, info.max)
+        np.testing.assert_array_equal(q, want.astype(q.dtype))
+    layer.eval()
+    with torch.no_grad():
+        mine = layer(x).numpy()
+    theirs = onnxruntime.InferenceSession(str(saved)).run(None, {"x": x.numpy()})[0]
+    np.testing.assert_allclose(mine, theirs, atol=_output_step(str(saved)) * 2.001)
+
+
 @pytest.mark.parametrize("case", _CASES, ids=_IDS)
 def test_a_few_steps_lower_a_loss_and_the_file_comes_back_quantized(files, case, tmp_path):
     path = files[case]

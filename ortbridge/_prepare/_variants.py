@@ -174,5 +174,7 @@ def with_weights(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> onnx
     for init in out.graph.initializer:
         if init.name in weights:
             value = np.ascontiguousarray(weights[init.name]).astype(np_dtype(init.data_type))
+            if value.size == int(np.prod(init.dims)):  # the file's shape (a scalar stays one)
+                value = value.reshape(list(init.dims))
             init.CopyFrom(numpy_helper.from_array(value, init.name))
     return out

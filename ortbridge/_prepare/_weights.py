@@ -88,6 +88,9 @@ NON_DIFFERENTIABLE_SLOTS = {
     # weights' scales and zero points
     "DynamicQuantizeLSTM": {4, 8, 9, 10, 11},
 }
+#: Inputs differentiated only where a weight read there is named trainable:
+#: a fake quantization's scale (LSQ), fixed by default.
+ON_REQUEST_SLOTS = {"QuantizeLinear": {1}, "DequantizeLinear": {1}}
 #: Ops a gradient passes straight through (fake quantization, :mod:`.quantized`):
 #: from the float output to the data input, through the integers between.
 STRAIGHT_THROUGH = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
@@ -330,7 +333,9 @@ def gradient_cut(model: onnx.ModelProto, name: str) -> tuple[onnx.NodeProto, str
             # (Round and the like pass a zero gradient on, as summarize counts)
             if node.op_type in NON_DIFFERENTIABLE_OPS - ZERO_DERIVATIVE_OPS:
                 return node, "it reads values by comparison, index or shape only"
-            if pos in NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ()):
+            if pos in NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ()) and pos not in (
+                ON_REQUEST_SLOTS.get(node.op_type, ())
+            ):
                 return node, f"its input {pos} is a setting, not differentiated"
             floats = [
                 o for o in node.output if o and types.get(o, TensorProto.FLOAT) in FLOAT_TYPES

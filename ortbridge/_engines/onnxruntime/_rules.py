@@ -93,7 +93,11 @@ def _d_quick_gelu(ctx, node, x, y, dtype):
 def _fake_quantize(ctx, node, grads):
     """torch's fake quantization: the gradient where ``round(x / scale) +
     zero_point`` lies in the integer type's range, zero elsewhere; none for
-    the scale and zero point (they stay fixed)."""
+    the zero point (it stays fixed). The scale's, where it is asked for (a
+    scale named in ``trainable=``), is LSQ's, as torch's
+    ``_fake_quantize_learnable_per_tensor_affine`` gives it (gradient factor
+    1): ``round(x / s) - x / s`` inside the range, ``q_min - zero_point`` or
+    ``q_max - zero_point`` below or above it, summed per scale."""
     from onnx import helper
 
     from ortbridge._prepare.quantized._lift import integer_limits
@@ -102,17 +106,21 @@ def _fake_quantize(ctx, node, grads):
     if grads[0] is None or attrs.get("dynamic"):  # a dynamic range clips nothing
         return [grads[0]] + [None] * (len(node.input) - 1)
     x, scale, zero = node.input
+    scale_name = scale
     b = ctx.b
     dtype = ctx.dtype(x)
     q_min, q_max = integer_limits(attrs["to"])
     rank = ctx.rank(x)
-    if ctx.rank(scale) == 1 and rank > 1:  # per axis: along that axis
+    per_axis = ctx.rank(scale) == 1 and rank > 1
+    if per_axis:  # along that axis
         shape = [1] * rank
         shape[attrs.get("axis", 1) % rank] = -1
         scale = b.op("Reshape", [scale, b.ints(shape)], stem="fq_scale")
         if zero:
             zero = b.op("Reshape", [zero, b.ints(shape)], stem="fq_zero_point")
-    level = b.op("Round", [b.op("Div", [x, b.op("Cast", [scale], to=dtype)])], stem="fq_level")
+    ratio = b.op("Div", [x, b.op("Cast", [scale], to=dtype)], stem="fq_ratio")
+    rounded = b.op("Round", [ratio], stem="fq_level")
+    level = rounded
     if zero:
         level = b.op("Add", [level, b.op("Cast", [zero], to=dtype)])
     inside = b.op(
@@ -124,7 +132,43 @@ def _fake_quantize(ctx, node, grads):
         stem="fq_inside",
     )
     mask = b.op("Cast", [inside], to=dtype, stem="fq_mask")
-    return [b.op("Mul", [grads[0], ctx.lift(mask)], stem="a_" + x), None, None]
+    d_scale = None
+    if ctx.asked_for(scale_name):
+        d_scale = _lsq_scale_gradient(ctx, node, grads[0], (ratio, rounded, level, inside))
+    return [b.op("Mul", [grads[0], ctx.lift(mask)], stem="a_" + x), d_scale, None]
+
+
+def _lsq_scale_gradient(ctx, node, grad, parts):
+    """The contribution to a fake quantization's scale (see :func:`_fake_quantize`)."""
+    from onnx import helper
+
+    from ortbridge._prepare.quantized._lift import integer_limits
+
+    ratio, rounded, level, inside = parts
+    x, scale, zero = node.input
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    b, dtype, rank = ctx.b, ctx.dtype(x), ctx.rank(x)
+    q_min, q_max = integer_limits(attrs["to"])
+    offset = b.op("Cast", [zero], to=dtype) if zero else ctx.constant(0.0, dtype)
+    if zero and ctx.rank(scale) == 1 and rank > 1:
+        shape = [1] * rank
+        shape[attrs.get("axis", 1) % rank] = -1
+        offset = b.op("Reshape", [offset, b.ints(shape)])
+    below = b.op("Less", [level, ctx.constant(float(q_min), dtype)])
+    edge = b.op(
+        "Where",
+        [below, b.op("Sub", [ctx.constant(float(q_min), dtype), offset]),
+         b.op("Sub", [ctx.constant(float(q_max), dtype), offset])],
+    )  # fmt: skip
+    local = b.op("Where", [inside, b.op("Sub", [rounded, ratio]), edge], stem="lsq_local")
+    weighted = b.op("Mul", [grad, ctx.lift(local)], stem="lsq_weighted")  # (..., seeds)
+    if ctx.rank(scale) == 1 and rank > 1:  # one scale an index of that axis
+        axis = attrs.get("axis", 1) % rank
+        return ctx.reduce_sum(weighted, [a for a in range(rank) if a != axis], keepdims=0)
+    summed = ctx.reduce_sum(weighted, list(range(rank)), keepdims=0)  # (seeds,)
+    if ctx.rank(scale) == 1:  # a scale of shape (1,)
+        return ctx.unsqueeze(summed, [0])
+    return summed
 
 
 def _softmax(ctx, node, grads, original, unmasked=frozenset()):

@@ -81,6 +81,8 @@ class QuantizedWeight:
     axis: int
     #: Whether the float weight trains under fake quantization (else plain float).
     paired: bool
+    #: The scale's initializer (a trained scale replaces the file's on saving).
+    scale_name: str = ""
 
     @property
     def limits(self) -> tuple[int, int]:
@@ -157,7 +159,9 @@ def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
                 continue
             scale = scale.reshape(-1)
         zero = zero.reshape(scale.shape)
-        found[name] = QuantizedWeight(name, kind, scale, zero, axis, kind not in _UNPAIRED)
+        found[name] = QuantizedWeight(
+            name, kind, scale, zero, axis, kind not in _UNPAIRED, scale_name
+        )
     return found
 
 
@@ -310,4 +314,13 @@ def requantized(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> dict[
     if not integers.intersection(weights):  # a float file's save reads no more
         return {}
     found = quantized_weights(model)
-    return {name: found[name].quantized(v) for name, v in weights.items() if name in found}
+    out = {}
+    for name, value in weights.items():
+        record = found.get(name)
+        if record is None:
+            continue
+        if record.scale_name in weights:  # a trained scale (LSQ): the integers on its grid
+            scale = np.asarray(weights[record.scale_name], record.scale.dtype)
+            record = dataclasses.replace(record, scale=scale.reshape(record.scale.shape))
+        out[name] = record.quantized(value)
+    return out
