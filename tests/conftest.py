@@ -150,7 +150,11 @@ def assert_eval_runs_as_file(layer, args, path, feeds, rtol=1e-6, atol=1e-6) -> 
 
 def assert_adam_lowers(params, loss_fn, steps: int = 5, lr: float = 1e-2) -> list[float]:
     """A few Adam steps on ``params`` lower ``loss_fn()``; the losses."""
-    optimizer = torch.optim.Adam(params, lr=lr)
+    return assert_steps_lower(torch.optim.Adam(params, lr=lr), loss_fn, steps)
+
+
+def assert_steps_lower(optimizer, loss_fn, steps: int = 5) -> list[float]:
+    """A few steps of ``optimizer`` lower ``loss_fn()``; the losses."""
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()

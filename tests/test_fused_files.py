@@ -18,7 +18,7 @@ import onnx
 import onnxruntime
 import pytest
 import torch
-from conftest import assert_adam_lowers, scaled_atol
+from conftest import assert_adam_lowers, assert_steps_lower, scaled_atol
 
 from ortbridge import OnnxModule
 from ortbridge.adapters import lora
@@ -382,14 +382,7 @@ def test_a_published_float16_weighted_cnn_trains_every_weight_and_comes_back(tmp
         grad = trained[name].grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0, name
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.01)  # (Adam's eps is 0 in float16)
-    losses = []
-    for _ in range(3):
-        optimizer.zero_grad()
-        loss = -layer(torch.from_numpy(image)).mul(directions).sum()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
-    assert losses[-1] < losses[0], losses
+    assert_steps_lower(optimizer, lambda: -layer(torch.from_numpy(image)).mul(directions).sum(), 3)
     saved = tmp_path / "fine-tuned.onnx"
     layer.save(saved)
     kinds = {i.name: i.data_type for i in original.graph.initializer}
