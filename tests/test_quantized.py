@@ -355,6 +355,21 @@ def test_scales_named_trainable_train_as_torch_lsq_and_are_saved(files, form, tm
     np.testing.assert_allclose(mine, theirs, atol=_output_step(str(saved)) * 2.001)
 
 
+@pytest.mark.skipif(not _ort.has_training(), reason="the training agent needs the training build")
+def test_the_training_agent_refuses_a_trainable_scale_by_name(files):
+    """Its builder's FakeQuant keeps the scale fixed: refused, saying so; ``auto``
+    trains it on the onnxruntime engine."""
+    path = files["mlp", "per-tensor-uint8"]
+    scales = _pair_scales(onnx.load(path))
+    default = {n for n, _ in OnnxModule(path).named_onnx_parameters()}
+    with pytest.raises(NotDifferentiableError, match="keeps quantization scales fixed"):
+        layer = OnnxModule(path, backend="training-agent", trainable=default | scales)
+        layer(torch.from_numpy(_input("mlp"))).sum().backward()
+    layer = OnnxModule(path, trainable=default | scales)
+    layer(torch.from_numpy(_input("mlp"))).sum().backward()
+    assert all(layer.onnx_weight(n).grad is not None for n in scales)
+
+
 @pytest.mark.parametrize("case", _CASES, ids=_IDS)
 def test_a_few_steps_lower_a_loss_and_the_file_comes_back_quantized(files, case, tmp_path):
     path = files[case]

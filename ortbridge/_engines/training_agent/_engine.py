@@ -246,11 +246,28 @@ def _builder_error(exc: Exception, model: onnx.ModelProto) -> Exception:
     match = _MISSING_GRAD.search(text)
     if match:
         name = match.group(1) or match.group(2)
+        if _scale_only(model, name):
+            return NotDifferentiableError(
+                f"the training-agent engine keeps quantization scales fixed (onnxruntime-"
+                f"training 1.19.2's FakeQuant has no scale gradient): {name!r} cannot "
+                'train there; backend="onnxruntime" (or "auto") trains scales as LSQ does',
+                unreachable=name,
+            )
         return NotDifferentiableError(
             f"no gradient reaches {name!r}: it cannot be trained or require grad",
             unreachable=name,
         )
     return translate(exc, "build the gradient graph", model, refuse=NAME)
+
+
+def _scale_only(model: onnx.ModelProto, name: str) -> bool:
+    """Whether ``name`` is read only as a fake quantization's scale."""
+    from ortbridge._prepare._weights import ON_REQUEST_SLOTS
+
+    uses = [
+        (n.op_type, pos) for n in model.graph.node for pos, i in enumerate(n.input) if i == name
+    ]
+    return bool(uses) and all(pos in ON_REQUEST_SLOTS.get(op, ()) for op, pos in uses)
 
 
 def _expose_running_stats(gradient: onnx.ModelProto, batch_norm_nodes) -> list[str]:
