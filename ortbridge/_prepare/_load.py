@@ -142,23 +142,12 @@ def summarize(model: onnx.ModelProto, original: onnx.ModelProto | None = None) -
         differentiable_initializers=reachable,
         default_trainable={
             n
-            for n in reachable - _scales_only(model)
+            for n in reachable - _weights.scales_only(model)
             if kinds.get(n, _weights.WEIGHT) == _weights.WEIGHT
         },  # fmt: skip
         from_constants=constants & set(floats),
         zero_gradient=zero,
     )
-
-
-def _scales_only(model: onnx.ModelProto) -> set[str]:
-    """Tensors of the main graph read only where a gradient goes on request
-    (a fake quantization's scale: trained when named, fixed by default)."""
-    on_request, elsewhere = set(), set()
-    for node in model.graph.node:
-        slots = _weights.ON_REQUEST_SLOTS.get(node.op_type, ())
-        for pos, name in enumerate(node.input):
-            (on_request if pos in slots else elsewhere).add(name)
-    return on_request - elsewhere
 
 
 def _gradient_reachable(
@@ -181,9 +170,7 @@ def _gradient_reachable(
             continue
         if not any(out in needed for out in node.output):
             continue
-        skip = set(_weights.NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ())) - set(
-            _weights.ON_REQUEST_SLOTS.get(node.op_type, ())
-        )
+        skip = _weights.FIXED_SLOTS.get(node.op_type, ())
         straight = node.op_type in _weights.STRAIGHT_THROUGH
         integers = _weights.STRAIGHT_THROUGH_SLOTS.get(node.op_type, ())
         for pos, name in enumerate(node.input):

@@ -91,6 +91,24 @@ NON_DIFFERENTIABLE_SLOTS = {
 #: Inputs differentiated only where a weight read there is named trainable:
 #: a fake quantization's scale (LSQ), fixed by default.
 ON_REQUEST_SLOTS = {"QuantizeLinear": {1}, "DequantizeLinear": {1}}
+#: The inputs no gradient ever reaches: the settings but those on request.
+FIXED_SLOTS = {
+    op: frozenset(slots - ON_REQUEST_SLOTS.get(op, set()))
+    for op, slots in NON_DIFFERENTIABLE_SLOTS.items()
+}
+
+
+def scales_only(model: onnx.ModelProto) -> set[str]:
+    """Tensors of the main graph read only where a gradient goes on request
+    (a fake quantization's scale: trained when named, fixed by default)."""
+    on_request, elsewhere = set(), set()
+    for node in model.graph.node:
+        slots = ON_REQUEST_SLOTS.get(node.op_type, ())
+        for pos, name in enumerate(node.input):
+            (on_request if pos in slots else elsewhere).add(name)
+    return on_request - elsewhere
+
+
 #: Ops a gradient passes straight through (fake quantization, :mod:`.quantized`):
 #: from the float output to the data input, through the integers between.
 STRAIGHT_THROUGH = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
@@ -333,9 +351,7 @@ def gradient_cut(model: onnx.ModelProto, name: str) -> tuple[onnx.NodeProto, str
             # (Round and the like pass a zero gradient on, as summarize counts)
             if node.op_type in NON_DIFFERENTIABLE_OPS - ZERO_DERIVATIVE_OPS:
                 return node, "it reads values by comparison, index or shape only"
-            if pos in NON_DIFFERENTIABLE_SLOTS.get(node.op_type, ()) and pos not in (
-                ON_REQUEST_SLOTS.get(node.op_type, ())
-            ):
+            if pos in FIXED_SLOTS.get(node.op_type, ()):
                 return node, f"its input {pos} is a setting, not differentiated"
             floats = [
                 o for o in node.output if o and types.get(o, TensorProto.FLOAT) in FLOAT_TYPES

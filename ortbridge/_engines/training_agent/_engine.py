@@ -21,6 +21,7 @@ import onnx
 import torch
 
 from ortbridge._prepare._batch_norm import batch_var_from_inv_std, unbiased_running_var
+from ortbridge._prepare._weights import scales_only
 from ortbridge._runtime import _ort
 from ortbridge._runtime._errors import translate
 from ortbridge._runtime._runs import (
@@ -246,7 +247,7 @@ def _builder_error(exc: Exception, model: onnx.ModelProto) -> Exception:
     match = _MISSING_GRAD.search(text)
     if match:
         name = match.group(1) or match.group(2)
-        if _scale_only(model, name):
+        if name in scales_only(model):
             return NotDifferentiableError(
                 f"the training-agent engine keeps quantization scales fixed (onnxruntime-"
                 f"training 1.19.2's FakeQuant has no scale gradient): {name!r} cannot "
@@ -258,16 +259,6 @@ def _builder_error(exc: Exception, model: onnx.ModelProto) -> Exception:
             unreachable=name,
         )
     return translate(exc, "build the gradient graph", model, refuse=NAME)
-
-
-def _scale_only(model: onnx.ModelProto, name: str) -> bool:
-    """Whether ``name`` is read only as a fake quantization's scale."""
-    from ortbridge._prepare._weights import ON_REQUEST_SLOTS
-
-    uses = [
-        (n.op_type, pos) for n in model.graph.node for pos, i in enumerate(n.input) if i == name
-    ]
-    return bool(uses) and all(pos in ON_REQUEST_SLOTS.get(op, ()) for op, pos in uses)
 
 
 def _expose_running_stats(gradient: onnx.ModelProto, batch_norm_nodes) -> list[str]:
