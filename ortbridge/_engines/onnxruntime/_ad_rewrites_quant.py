@@ -31,7 +31,12 @@ import onnx
 from onnx import TensorProto, helper
 
 from ortbridge._prepare._lookup import _all_names, _infer, _unique
-from ortbridge._prepare.quantized._lift import LSTM_WEIGHT_SLOTS, QDQ_DOMAINS
+from ortbridge._prepare.quantized._lift import (
+    LSTM_WEIGHT_SLOTS,
+    QDQ_DOMAINS,
+    as_float_lstm,
+    is_dynamic_lstm,
+)
 
 DOMAIN = "ai.ortbridge.training"
 OP = "FakeQuantize"
@@ -222,7 +227,7 @@ def quantized_lstms_as_float(model: onnx.ModelProto) -> onnx.ModelProto:
     :func:`fake_quantize_nodes` makes one node); a node whose weights were
     not lifted is left (refused by name)."""
     graph = model.graph
-    if not any(_is_lstm(n) for n in graph.node):
+    if not any(is_dynamic_lstm(n) for n in graph.node):
         return model
     producer = {out: node for node in graph.node for out in node.output}
     taken = _all_names(graph)
@@ -230,38 +235,21 @@ def quantized_lstms_as_float(model: onnx.ModelProto) -> onnx.ModelProto:
     for node in graph.node:
         written: list[onnx.NodeProto] = []
         weights = [_dequantized(node, s, producer, taken, written) for s in LSTM_WEIGHT_SLOTS]
-        if not _is_lstm(node) or None in weights:
+        if not is_dynamic_lstm(node) or None in weights:
             nodes.append(node)
             continue
         nodes.extend(written)
-        transposed = []
-        for weight in weights:  # (directions, in, 4H) -> LSTM's (directions, 4H, in)
-            name = _unique(f"{weight}_gates_first", taken)
-            nodes.append(helper.make_node("Transpose", [weight], [name], perm=[0, 2, 1]))
-            transposed.append(name)
-        inputs = [node.input[0], *transposed, *node.input[3:8]]
-        while inputs and not inputs[-1]:
-            inputs.pop()
-        nodes.append(
-            helper.make_node(
-                "LSTM", inputs, list(node.output), f"{node.name}_float", domain=""
-            )  # fmt: skip
-        )
-        nodes[-1].attribute.extend(node.attribute)
+        nodes.extend(as_float_lstm(node, weights, taken, f"{node.name}_float"))
     del graph.node[:]
     graph.node.extend(nodes)
     return model
-
-
-def _is_lstm(node: onnx.NodeProto) -> bool:
-    return node.op_type == "DynamicQuantizeLSTM" and node.domain == "com.microsoft"
 
 
 def _dequantized(node, slot, producer, taken, nodes) -> str | None:
     """The float weight a ``DynamicQuantizeLSTM`` reads at ``slot``, as the
     ``DequantizeLinear`` of its lifted ``QuantizeLinear``; None for a weight
     not lifted (a bidirectional one scaled per channel: refused by name)."""
-    if not _is_lstm(node) or len(node.input) <= slot:
+    if not is_dynamic_lstm(node) or len(node.input) <= slot:
         return None
     name = node.input[slot]
     quantize = producer.get(name)

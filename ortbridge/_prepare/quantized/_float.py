@@ -21,6 +21,7 @@ from .._onnx_utils import node_reads
 from ._lift import (
     LSTM_WEIGHT_SLOTS,
     QDQ_DOMAINS,
+    as_float_lstm,
     integer_limits,
     is_dynamic_lstm,
     lift_quantized_weights,
@@ -101,17 +102,4 @@ def _float_lstm(node, producer, weights, taken) -> list[onnx.NodeProto]:
         if quantize.input[0] not in weights:
             return [node]
         floats.append(quantize.input[0])
-    out = []
-    for i, weight in enumerate(floats):
-        out.append(
-            helper.make_node(
-                "Transpose", [weight], [_unique(f"{weight}_gates_first", taken)], perm=[0, 2, 1]
-            )
-        )
-        floats[i] = out[-1].output[0]
-    inputs = [node.input[0], *floats, *node.input[3:8]]
-    while not inputs[-1]:
-        inputs.pop()
-    lstm = helper.make_node("LSTM", inputs, list(node.output), node.name)
-    lstm.attribute.extend(node.attribute)
-    return [*out, lstm]
+    return as_float_lstm(node, floats, taken, node.name)

@@ -183,6 +183,23 @@ def recurrent_weights(model: onnx.ModelProto) -> set[str]:
     }
 
 
+def as_float_lstm(node, weights, taken, name: str) -> list[onnx.NodeProto]:
+    """ONNX's ``LSTM`` computing ``DynamicQuantizeLSTM`` ``node`` with the float
+    ``weights`` (input, recurrence; ``(directions, in, 4 * hidden)``, each
+    transposed to LSTM's ``(directions, 4 * hidden, in)``), its attributes and
+    other inputs; the float model's and the engine's gradient graph's."""
+    out = []
+    for weight in weights:
+        flipped = _unique(f"{weight}_gates_first", taken)
+        out.append(helper.make_node("Transpose", [weight], [flipped], perm=[0, 2, 1]))
+    inputs = [node.input[0], *(t.output[0] for t in out), *node.input[3:8]]
+    while not inputs[-1]:
+        inputs.pop()
+    lstm = helper.make_node("LSTM", inputs, list(node.output), name)
+    lstm.attribute.extend(node.attribute)
+    return [*out, lstm]
+
+
 def _reader(node: onnx.NodeProto, slot: int) -> bool:
     """Whether ``node`` reads an integer weight at ``slot`` as a quantized one."""
     if node.op_type == "DequantizeLinear":
@@ -231,9 +248,10 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
             value = record.dequantized(numpy_helper.to_array(init))
             init.CopyFrom(numpy_helper.from_array(value, init.name))
     nodes = []
+    dims = {init.name: list(init.dims) for init in graph.initializer}
     for node in graph.node:
         if is_dynamic_lstm(node):
-            nodes.extend(_lstm_weights_quantized(node, found, graph, taken))
+            nodes.extend(_lstm_weights_quantized(node, found, graph, dims, taken))
             continue
         record = (
             found.get(node.input[0]) if node.op_type == "DequantizeLinear" and node.input else None
@@ -266,7 +284,7 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
     return sorted(found)
 
 
-def _lstm_weights_quantized(node, found, graph, taken) -> list[onnx.NodeProto]:
+def _lstm_weights_quantized(node, found, graph, dims, taken) -> list[onnx.NodeProto]:
     """A ``DynamicQuantizeLSTM`` reading its lifted weights' ``QuantizeLinear``
     (its kernel takes the integers; the engine differentiates it as ONNX's LSTM
     of the dequantized weights, :mod:`ortbridge._engines.onnxruntime`)."""
@@ -278,7 +296,7 @@ def _lstm_weights_quantized(node, found, graph, taken) -> list[onnx.NodeProto]:
         settings = []
         for pos, value in ((scale_slot, record.scale), (zero_slot, record.zero_point)):
             name = node.input[pos]
-            if list(next(i for i in graph.initializer if i.name == name).dims) != list(value.shape):
+            if dims[name] != list(value.shape):
                 name = _unique(f"{name}_per_channel", taken)  # (1, 4H) as (4H,)
                 graph.initializer.append(numpy_helper.from_array(value, name))
             settings.append(name)
