@@ -111,18 +111,17 @@ def _fake_quantize(ctx, node, grads):
     dtype = ctx.dtype(x)
     q_min, q_max = integer_limits(attrs["to"])
     rank = ctx.rank(x)
-    per_axis = ctx.rank(scale) == 1 and rank > 1
-    if per_axis:  # along that axis
+    axis = attrs.get("axis", 1) % rank if ctx.rank(scale) == 1 and rank > 1 else None
+    if axis is not None:  # per axis: along that axis
         shape = [1] * rank
-        shape[attrs.get("axis", 1) % rank] = -1
+        shape[axis] = -1
         scale = b.op("Reshape", [scale, b.ints(shape)], stem="fq_scale")
         if zero:
             zero = b.op("Reshape", [zero, b.ints(shape)], stem="fq_zero_point")
     ratio = b.op("Div", [x, b.op("Cast", [scale], to=dtype)], stem="fq_ratio")
     rounded = b.op("Round", [ratio], stem="fq_level")
-    level = rounded
-    if zero:
-        level = b.op("Add", [level, b.op("Cast", [zero], to=dtype)])
+    offset = b.op("Cast", [zero], to=dtype) if zero else None
+    level = rounded if offset is None else b.op("Add", [rounded, offset])
     inside = b.op(
         "And",
         [
@@ -134,26 +133,20 @@ def _fake_quantize(ctx, node, grads):
     mask = b.op("Cast", [inside], to=dtype, stem="fq_mask")
     d_scale = None
     if ctx.asked_for(scale_name):
-        d_scale = _lsq_scale_gradient(ctx, node, grads[0], (ratio, rounded, level, inside))
+        offset = ctx.constant(0.0, dtype) if offset is None else offset
+        parts = (ratio, rounded, level, inside, offset)
+        facts = (q_min, q_max, dtype, rank, ctx.rank(scale_name))
+        d_scale = _lsq_scale_gradient(ctx, grads[0], parts, facts, axis)
     return [b.op("Mul", [grads[0], ctx.lift(mask)], stem="a_" + x), d_scale, None]
 
 
-def _lsq_scale_gradient(ctx, node, grad, parts):
-    """The contribution to a fake quantization's scale (see :func:`_fake_quantize`)."""
-    from onnx import helper
-
-    from ortbridge._prepare.quantized._lift import integer_limits
-
-    ratio, rounded, level, inside = parts
-    x, scale, zero = node.input
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    b, dtype, rank = ctx.b, ctx.dtype(x), ctx.rank(x)
-    q_min, q_max = integer_limits(attrs["to"])
-    offset = b.op("Cast", [zero], to=dtype) if zero else ctx.constant(0.0, dtype)
-    if zero and ctx.rank(scale) == 1 and rank > 1:
-        shape = [1] * rank
-        shape[attrs.get("axis", 1) % rank] = -1
-        offset = b.op("Reshape", [offset, b.ints(shape)])
+def _lsq_scale_gradient(ctx, grad, parts, facts, axis):
+    """The contribution to a fake quantization's scale (see :func:`_fake_quantize`,
+    which computed ``parts``, the zero point among them as ``offset``, shaped
+    along ``axis`` where the scale is per axis; ``facts``: the integer range,
+    the float type, the ranks of the quantized tensor and of the scale)."""
+    ratio, rounded, level, inside, offset = parts
+    (q_min, q_max, dtype, rank, scale_rank), b = facts, ctx.b
     below = b.op("Less", [level, ctx.constant(float(q_min), dtype)])
     edge = b.op(
         "Where",
@@ -162,13 +155,10 @@ def _lsq_scale_gradient(ctx, node, grad, parts):
     )  # fmt: skip
     local = b.op("Where", [inside, b.op("Sub", [rounded, ratio]), edge], stem="lsq_local")
     weighted = b.op("Mul", [grad, ctx.lift(local)], stem="lsq_weighted")  # (..., seeds)
-    if ctx.rank(scale) == 1 and rank > 1:  # one scale an index of that axis
-        axis = attrs.get("axis", 1) % rank
+    if axis is not None:  # one scale an index of that axis
         return ctx.reduce_sum(weighted, [a for a in range(rank) if a != axis], keepdims=0)
     summed = ctx.reduce_sum(weighted, list(range(rank)), keepdims=0)  # (seeds,)
-    if ctx.rank(scale) == 1:  # a scale of shape (1,)
-        return ctx.unsqueeze(summed, [0])
-    return summed
+    return ctx.unsqueeze(summed, [0]) if scale_rank == 1 else summed  # a scale of shape (1,)
 
 
 def _softmax(ctx, node, grads, original, unmasked=frozenset()):
