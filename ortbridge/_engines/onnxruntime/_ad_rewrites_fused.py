@@ -407,9 +407,9 @@ class _Writer:
         scaled = self.op("Mul", [self.op("Mul", [centred, inverse]), gamma])
         self.op("Add" if beta else "Identity", [scaled, beta] if beta else [scaled], output)
 
-    def _positions(self, x: str) -> str:
-        """``0 .. S-1`` for the second axis of ``x`` (int64)."""
-        length = self.op("Squeeze", [self._shape_part(x, 1), self._axes([0])])
+    def _positions(self, x: str, axis: int = 1) -> str:
+        """``0 .. n-1`` along ``axis`` of ``x`` (int64)."""
+        length = self.op("Squeeze", [self._shape_part(x, axis), self._axes([0])])
         return self.op("Range", [self._int(0), length, self._int(1)])
 
     def Attention(self):
@@ -543,7 +543,7 @@ class _Writer:
                 self.const(scale),
             ],
         )
-        keep = self._causal_and_valid(q, k, self._in(5))
+        keep = self.op("And", [self._causal_keep(scores), self._valid_keys(k, self._in(5))])
         lowest = self.const(float(np.finfo(np_dtype(self.elem)).min))
         probs = self.op("Softmax", [self.op("Where", [keep, scores, lowest])], axis=-1)
         context = self.op("Transpose", [self.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])
@@ -556,31 +556,15 @@ class _Writer:
             return self._int(0)
         return self._shape_part(self._in(3), 2)
 
-    def _causal_and_valid(self, q: str, k: str, lengths: str) -> str:
-        """(B, 1, S, T): key ``j`` for query ``i`` where ``j <= i + T - S`` (causal
-        after the past) and ``j <= seqlens_k[b]`` (the sequence's last token)."""
-        steps_q, steps_k = (
-            self.op("Range", [self._int(0), self._dim(t, 2), self._int(1)]) for t in (q, k)
-        )
-        gap = self.op("Sub", [self._dim(k, 2), self._dim(q, 2)])
-        offset = self.op(
-            "Sub",
-            [self.op("Unsqueeze", [steps_k, self._axes([0])]),
-             self.op("Unsqueeze", [steps_q, self._axes([1])])],
-        )  # fmt: skip
-        causal = self.op("LessOrEqual", [offset, gap])  # (S, T)
+    def _valid_keys(self, k: str, lengths: str) -> str:
+        """(B, 1, 1, T): key ``j`` where ``j <= seqlens_k[b]`` (its sequence's last token)."""
         last = self.op("Cast", [lengths], to=TensorProto.INT64)
         valid = self.op(
             "LessOrEqual",
-            [self.op("Unsqueeze", [steps_k, self._axes([0])]),
+            [self.op("Unsqueeze", [self._positions(k, 2), self._axes([0])]),
              self.op("Unsqueeze", [last, self._axes([1])])],
         )  # fmt: skip
-        valid = self.op("Unsqueeze", [valid, self._axes([1, 2])])  # (B, 1, 1, T)
-        return self.op("And", [causal, valid])
-
-    def _dim(self, x: str, index: int) -> str:
-        """Dimension ``index`` of ``x`` as an int64 scalar."""
-        return self.op("Squeeze", [self._shape_part(x, index), self._axes([0])])
+        return self.op("Unsqueeze", [valid, self._axes([1, 2])])
 
     def _split3(self, packed: str, hidden: int) -> list[str]:
         names = [self._name(part) for part in ("q", "k", "v")]
@@ -626,8 +610,13 @@ class _Writer:
         return self.out
 
     def _causal_penalty(self, scores: str) -> str:
-        """``mask_filter_value`` where a key comes after its query, the queries
-        the last S of T positions (after a past state), as (S, T)."""
+        """``mask_filter_value`` where a key comes after its query, as (S, T)."""
+        fill = self.const(attr(self.node, "mask_filter_value", -10000.0))
+        return self.op("Where", [self._causal_keep(scores), self.const(0.0), fill])
+
+    def _causal_keep(self, scores: str) -> str:
+        """(S, T): key ``j`` for query ``i`` where ``j <= i + T - S`` (the queries
+        the last S of T positions, after a past state)."""
         shape = self.op("Shape", [scores])
         square = self.op("Slice", [shape, self._axes([2]), self._axes([4])])
         ones = self.op(
@@ -635,9 +624,7 @@ class _Writer:
         )
         sizes = [self.op("Gather", [shape, self._int(axis)], axis=0) for axis in (3, 2)]
         lower = self.op("Trilu", [ones, self.op("Sub", sizes)], upper=0)
-        keep = self.op("Cast", [lower], to=TensorProto.BOOL)
-        fill = self.const(attr(self.node, "mask_filter_value", -10000.0))
-        return self.op("Where", [keep, self.const(0.0), fill])
+        return self.op("Cast", [lower], to=TensorProto.BOOL)
 
     def _mask_penalty(self, mask: str, x: str) -> str | None:
         """``mask_filter_value`` where a key is masked, 0 elsewhere, as (B, 1, 1, T)."""
