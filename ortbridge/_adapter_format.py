@@ -153,7 +153,7 @@ def _branches_as_inputs(model: onnx.ModelProto, side: list[str]) -> onnx.ModelPr
         dims = [d if isinstance(d, int) else 0 for d in shape]
         dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
         init.CopyFrom(numpy_helper.from_array(np.zeros(dims, dtype), name))
-        scale = inits.get(f"{name[: -len('.lora_A')]}.lora_scale")
+        scale = _branch_scale(inits, name)
         if scale is not None:
             scale.CopyFrom(numpy_helper.from_array(np.ones((), dtype), scale.name))
     return model
@@ -174,7 +174,7 @@ def adapter_parameters(layer) -> dict[str, np.ndarray]:
     for name in sorted(side_adapters(layer._original)):
         value = layer.onnx_weight(name).detach().cpu().numpy()
         if name.endswith(".lora_B"):  # the branch's scale goes into B, as above
-            scale = inits.get(f"{name[: -len('.lora_B')]}.lora_scale")
+            scale = _branch_scale(inits, name)
             value = value * (numpy_helper.to_array(scale) if scale is not None else 1)
         params[name] = value
     return params
@@ -196,6 +196,12 @@ def write_adapter(params: dict[str, np.ndarray], path: str | os.PathLike) -> Non
         {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}
     )
     adapter.export_adapter(os.fspath(path))
+
+
+def _branch_scale(inits: dict, adapter: str) -> onnx.TensorProto | None:
+    """The scale initializer of the branch ``adapter`` (``<packed>.lora_A`` or
+    ``.lora_B``) belongs to, as :func:`with_side_adapters` names it."""
+    return inits.get(f"{adapter.rsplit('.lora_', 1)[0]}.lora_scale")
 
 
 def four_bit_products(model: onnx.ModelProto, patterns) -> list[onnx.NodeProto]:
