@@ -208,6 +208,95 @@ def test_conv_weight_gradient_by_im2col_matches_torch(c_in, stride, padding, bat
 
 @needs_engine
 @pytest.mark.parametrize(
+    ("kernel", "padding", "size", "gathered"),
+    [(3, 1, 20, (3, 3)), (3, 1, 19, (3, 3)), (5, 2, 20, (5, 5)), (3, 0, 19, (3, 3))],
+    ids=["3x3-overhang", "3x3-exact", "5x5-overhang", "3x3-unpadded"],
+)
+def test_strided_conv_weight_gradient_gathers_only_the_kernels_taps(
+    kernel, padding, size, gathered
+):
+    """A stride-2 convolution whose padded input overhangs its last window: onnx-ad
+    computes its weight gradient one row and column past the kernel and crops
+    it; the im2col form gathers only the taps the crop keeps (a 3x3 gathered
+    16 before, a 5x5's 36 taps kept onnx-ad's Conv). Torch's gradients."""
+    torch.manual_seed(kernel + size)
+    model = nn.Sequential(
+        nn.Conv2d(6, 32, kernel, stride=2, padding=padding), nn.Tanh(), nn.Conv2d(32, 2, 1)
+    )
+    x = torch.randn(3, 6, size, size)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    _compare(model, layer, x)
+    graph = layer._bridge.gradient_graph("train", [True] * 5, x.device, [x])
+    backward = graph.static_built([x]).split.backward.graph
+    kernels = [
+        tuple(n.attribute[0].t.dims[2:]) for n in backward.node
+        if n.op_type == "Constant" and n.output[0].endswith("/onehot")
+    ]  # fmt: skip
+    assert kernels == [gathered], kernels
+
+
+@needs_engine
+@pytest.mark.parametrize(
+    ("scale", "mode", "block"),
+    [(2, "nearest", True), ((2, 3), "nearest", True), (1.5, "nearest", False),
+     (2, "bilinear", False)],
+)  # fmt: skip
+def test_nearest_upsampling_gradient_sums_each_block(scale, mode, block):
+    """A nearest Resize by integer factors (a feature pyramid's upsampling) has its
+    gradient as one Reshape and a ReduceSum over each block, not onnx-ad's
+    interpolation matrices between Transposes; other Resizes keep onnx-ad's
+    rule. Torch's gradients, both."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.Upsample(scale_factor=scale, mode=mode), nn.Tanh()
+    )
+    x = torch.randn(2, 3, 6, 8)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    _compare(model, layer, x)
+    graph = layer._bridge.gradient_graph("train", [True] * 3, x.device, [x])
+    reverse = graph.static_built([x]).reverse.graph
+    matrices = [n for n in reverse.node if n.op_type == "MatMul" and "a_resize" in n.output[0]]
+    assert (not matrices) == block, [n.output[0] for n in matrices]
+
+
+@needs_engine
+@pytest.mark.parametrize("factor", [2, 3])
+@pytest.mark.parametrize("rounding", ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"])
+@pytest.mark.parametrize(
+    "transform",
+    ["half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "asymmetric",
+     "tf_half_pixel_for_nn", "align_corners"],
+)  # fmt: skip
+def test_nearest_upsampling_gradient_under_every_coordinate_mode(transform, rounding, factor):
+    """Every coordinate transform and rounding of a nearest Resize, by 2 and 3:
+    the gradient sums the output gradient at the input element each output
+    element reads, as onnxruntime's kernel reads it (an index probe through
+    the same Resize), whether the block form applies or onnx-ad's rule."""
+    shape = (2, 3, 5, 4)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    scales = numpy_helper.from_array(np.array([1, 1, factor, factor], np.float32), "scales")
+    attrs = dict(mode="nearest", coordinate_transformation_mode=transform, nearest_mode=rounding)
+    resize = helper.make_node("Resize", ["x", "", "scales"], ["y"], **attrs)
+    model = make_model(helper.make_graph([resize], "g", [x], [y], [scales]), opset=13)
+    probe = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    index = (
+        _ort.runtime()
+        .InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        .run(None, {"x": probe})[0]
+        .astype(np.int64)
+    )
+    layer = OnnxModule(model, backend=ORT)
+    xt = torch.from_numpy(probe).requires_grad_()
+    weights = torch.randn(index.shape)
+    (layer(xt) * weights).sum().backward()
+    expected = np.zeros(probe.size, np.float32)
+    np.add.at(expected, index.ravel(), weights.numpy().ravel())
+    np.testing.assert_allclose(xt.grad.numpy().ravel(), expected, rtol=1e-6, atol=1e-6)
+
+
+@needs_engine
+@pytest.mark.parametrize(
     ("c_in", "c_out", "batch", "size"), [(3, 5, 4, (6, 5)), (64, 96, 2, (4, 3)), (8, 4, 1, (5, 7))]
 )
 def test_pointwise_conv_weight_gradient_is_one_matmul(c_in, c_out, batch, size):
