@@ -26,6 +26,7 @@ from ortbridge._engines.onnxruntime._ad_rewrites import (  # noqa: E402
     prepare_for_reverse,
     upgrade_opset,
 )
+from ortbridge._engines.onnxruntime._rules import own_rules  # noqa: E402
 from ortbridge.exceptions import OnnxModelError  # noqa: E402
 
 F, D, I64 = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64
@@ -267,40 +268,49 @@ def test_grouped_conv_with_a_constant_weight_stays():
 
 
 @pytest.mark.parametrize(
-    "x, w, attrs",
+    "x, w, attrs, kept",
     [
-        ([2, 3, 4, 3], [3, 2, 3, 3], {}),
-        ([1, 3, 4, 3], [3, 2, 3, 2], {"strides": [2, 3], "pads": [1, 0, 2, 1]}),
-        ([1, 2, 3, 4], [2, 3, 3, 3], {"strides": [2, 2], "output_padding": [1, 0]}),
-        ([1, 4, 3], [4, 1, 3], {"group": 2, "strides": [2], "dilations": [2], "pads": [1, 3]}),
-        ([1, 2, 3, 3], [2, 2, 3, 3], {"strides": [2, 2], "output_shape": [6, 5]}),
-        ([1, 2, 3, 3], [2, 2, 3, 3], {"strides": [3, 2], "output_shape": [10, 8]}),
-        ([1, 2, 3, 3], [2, 2, 2, 3], {"strides": [2, 2], "auto_pad": "SAME_UPPER"}),
-        ([1, 2, 3, 3], [2, 2, 2, 3], {"strides": [2, 2], "auto_pad": "SAME_LOWER"}),
+        ([2, 3, 4, 3], [3, 2, 3, 3], {}, True),
+        ([1, 3, 4, 3], [3, 2, 3, 2], {"strides": [2, 3], "pads": [1, 0, 2, 1]}, True),
+        ([1, 2, 3, 4], [2, 3, 3, 3], {"strides": [2, 2], "output_padding": [1, 0]}, True),
+        ([2, 3, 4, 3], [3, 2, 2, 2], {"strides": [2, 2]}, True),
+        ([1, 4, 3], [4, 1, 3], {"group": 2, "strides": [2], "dilations": [2], "pads": [1, 3]},
+         False),
+        ([1, 2, 3, 3], [2, 2, 3, 3], {"strides": [2, 2], "output_shape": [6, 5]}, True),
+        ([1, 2, 3, 3], [2, 2, 3, 3], {"strides": [3, 2], "output_shape": [10, 8]}, False),
+        ([1, 2, 3, 3], [2, 2, 2, 3], {"strides": [2, 2], "auto_pad": "SAME_UPPER"}, True),
+        ([1, 2, 3, 3], [2, 2, 2, 3], {"strides": [2, 2], "auto_pad": "SAME_LOWER"}, True),
     ],
-    ids="plain strided-asym out-padding grouped out-shape out-shape-longer same-up same-lo".split(),
-)
-def test_conv_transpose_weight_gradient(x, w, attrs):
+    ids="plain strided-asym out-padding tiles grouped out-shape out-shape-longer same-up same-lo"
+    .split(),
+)  # fmt: skip
+def test_conv_transpose_weight_gradient(x, w, attrs, kept):
+    """onnx-ad refuses a ConvTranspose's weight. A 2-D one of one group stays
+    itself, its pads explicit (onnxruntime's kernel runs it), and ortbridge's
+    rule gives the weight's gradient; others (grouped, 1-D, an output longer
+    than the windows reach) become a Conv over a zero-inserted input. Finite
+    differences, both."""
     bias = ("b", F, [w[1] * attrs.get("group", 1)])
     model = _one("ConvTranspose", [("x", F, x), ("w", F, w), bias], **attrs)
     with pytest.raises(Refused, match="auto_pad|weight"):
         onnx_ad.reverse(model, inputs=["x", "w"], outputs=["y"], layout="onnx")
-    rewritten = _check(model, ["x", "w", "b"])
-    assert "ConvTranspose" not in _ops(rewritten)
+    with own_rules():
+        rewritten = _check(model, ["x", "w", "b"])
+    assert ("ConvTranspose" in _ops(rewritten)) == kept
+    for node in rewritten.graph.node:
+        if node.op_type == "ConvTranspose":
+            assert {a.name for a in node.attribute}.isdisjoint({"auto_pad", "output_shape"})
 
 
 @pytest.mark.parametrize(
     "x, w, bias",
-    [
-        ([2, 3, 4, 3], [3, 2, 2, 2], True),
-        ([3, 2, 5], [2, 4, 3], False),
-        ([1, 2, 2, 3, 2], [2, 3, 2, 1, 2], True),
-    ],
-    ids=["2d", "1d-no-bias", "3d"],
+    [([3, 2, 5], [2, 4, 3], False), ([1, 2, 2, 3, 2], [2, 3, 2, 1, 2], True)],
+    ids=["1d-no-bias", "3d"],
 )
 def test_conv_transpose_whose_windows_tile_the_output_is_one_matmul(x, w, bias):
-    """kernel = strides, no pads (a UNet's up-convolution): the trained weight's
-    ConvTranspose is one MatMul and the patches put in place, no Conv."""
+    """kernel = strides, no pads (a UNet's up-convolution), 1-D or 3-D: the
+    trained weight's ConvTranspose is one MatMul and the patches put in place,
+    no Conv (a 2-D one keeps onnxruntime's kernel, above)."""
     inputs = [("x", F, x), ("w", F, w)] + ([("b", F, [w[1]])] if bias else [])
     model = _one("ConvTranspose", inputs, strides=w[2:])
     rewritten = _check(model, [name for name, *_ in inputs])

@@ -260,6 +260,35 @@ def test_nearest_upsampling_gradient_sums_each_block(scale, mode, block):
 
 
 @needs_engine
+@pytest.mark.parametrize(
+    "kernel, stride, padding, output_padding",
+    [(2, 2, 0, 0), (4, 2, 1, 0), (3, 2, 1, 1), (3, 1, 1, 0)],
+    ids=["db-head-2x2", "gan-4x4", "unet-3x3", "stride-1"],
+)
+def test_trained_conv_transpose_runs_onnxruntimes_kernel_forward(
+    kernel, stride, padding, output_padding
+):
+    """A trained 2-D ConvTranspose stays one ConvTranspose in the forward graph
+    (onnxruntime's kernel, not patches or a Conv over a zero-inserted input);
+    its input gradient is a Conv, its weight gradient im2col and a product.
+    Torch's gradients."""
+    torch.manual_seed(kernel)
+    model = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.Tanh(),
+        nn.ConvTranspose2d(6, 4, kernel, stride, padding, output_padding), nn.Tanh(),
+    )  # fmt: skip
+    x = torch.randn(2, 3, 7, 9)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    _compare(model, layer, x)
+    graph = layer._bridge.gradient_graph("train", [True] * 5, x.device, [x])
+    split = graph.static_built([x]).split
+    assert [n.op_type for n in split.forward.graph.node].count("ConvTranspose") == 1
+    backward = split.backward.graph.node
+    assert "ConvTranspose" not in [n.op_type for n in backward]
+    assert sum(n.op_type == "Conv" and n.output[0].endswith("/cols") for n in backward) == 2
+
+
+@needs_engine
 @pytest.mark.parametrize("factor", [2, 3])
 @pytest.mark.parametrize("rounding", ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"])
 @pytest.mark.parametrize(

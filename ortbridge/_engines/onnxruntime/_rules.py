@@ -230,6 +230,38 @@ def _conv(ctx, node, grads, original):
     return contributions
 
 
+def _conv_transpose(ctx, node, grads, original):
+    """A ConvTranspose's weight gradient, which onnx-ad refuses; the rest is onnx-ad's.
+
+    ``Y = ConvTranspose(X, W)`` is the adjoint of ``X' = Conv(Y', W)`` under the
+    same strides, dilations and pads, so ``dW`` is that convolution's weight
+    gradient with ``dY`` as its input and ``X`` as its output's gradient:
+    onnx-ad's own form for a Conv's weight, which the engine's passes then run
+    as im2col and one product. Prepared only for 2-D ones of one group with
+    explicit pads (:func:`._ad_rewrites_conv.conv_transpose`).
+    """
+    from onnx_ad import rules
+
+    w = node.input[1]
+    if not ctx.asked_for(w) or grads[0] is None:
+        return original(ctx, node, grads)
+    asked = ctx.asked_for
+    ctx.asked_for = lambda name: name != w and asked(name)  # the weight is ours
+    try:
+        contributions = list(original(ctx, node, grads))
+    finally:
+        del ctx.asked_for
+    attrs, spatial = rules._conv_attributes(ctx, node)
+    attrs.pop("kernel_shape", None)
+    y = node.output[0]
+    incoming = ctx.squeeze(ctx.full(grads[0], y), [-1])
+    ctx.shapes.declare(incoming, ctx.shapes.shape(y), ctx.dtype(y))
+    adjoint = onnx.helper.make_node("Conv", [incoming, w], [node.input[0]], **attrs)
+    seeded = ctx.unsqueeze(node.input[0], [-1])
+    contributions[1] = rules._conv_weight_adjoint(ctx, adjoint, attrs, spatial, seeded)
+    return contributions
+
+
 def _explicit_transposes(ctx, node, grads, original):
     """onnx-ad's rule, its ``ConvTranspose`` nodes given pads instead of ``output_shape``.
 
@@ -441,6 +473,7 @@ _WRAPPERS = {
     "LogSoftmax": _softmax,
     "Pow": _pow,
     "Conv": _conv,
+    "ConvTranspose": _conv_transpose,
     "AveragePool": _explicit_transposes,
     "LpPool": _explicit_transposes,
     "Resize": _resize,
