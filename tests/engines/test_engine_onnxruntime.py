@@ -1497,6 +1497,14 @@ def test_activation_runs_as_one_kernel_and_saves_its_input_only(
     graph = list(layer._bridge._gradient_graphs.values())[-1].static_built([x])
     ops = [(n.domain, n.op_type) for n in graph.split.forward.graph.node]
     assert ("com.microsoft", fused) in ops and ("", spelled) not in ops, ops
+    backward = graph.split.backward.graph
+    ones = {
+        n.output[0]
+        for n in backward.node
+        if n.op_type == "Constant" and numpy_helper.to_array(n.attribute[0].t).tolist() == 1.0
+    } | {i.name for i in backward.initializer if numpy_helper.to_array(i).tolist() == 1.0}
+    # no product by 1 (a SiLU's alpha) over the activation
+    assert not [n for n in backward.node if n.op_type == "Mul" and ones & set(n.input)]
     from ortbridge._engines.onnxruntime.passes import _pipeline
 
     monkeypatch.setattr(_pipeline, "fused_activations", lambda model: 0)

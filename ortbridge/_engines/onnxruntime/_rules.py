@@ -90,7 +90,8 @@ def _d_quick_gelu(ctx, node, x, y, dtype):
     # y = x s, s = sigmoid(alpha x): y' = s (1 + alpha x (1 - s)), from x alone
     alpha = next((a.f for a in node.attribute if a.name == "alpha"), 1.702)
     b = ctx.b
-    ax = b.op("Mul", [x, ctx.constant(alpha, dtype)])
+    # A SiLU (alpha 1, YOLO's every activation) skips a Mul over the tensor.
+    ax = x if alpha == 1.0 else b.op("Mul", [x, ctx.constant(alpha, dtype)])
     s = b.op("Sigmoid", [ax])
     gain = b.op("Mul", [ax, b.op("Sub", [ctx.constant(1.0, dtype), s])])
     return b.op("Mul", [s, b.op("Add", [ctx.constant(1.0, dtype), gain])])
