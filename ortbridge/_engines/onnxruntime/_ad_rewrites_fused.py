@@ -18,11 +18,12 @@ to float rounding). Inference sessions run the file's fused kernels.
 - ``EmbedLayerNormalization``: the word, position (``0..S-1`` or its
   ``position_ids``) and segment embeddings gathered and summed, layer
   normalised; its mask index is the mask's sum per sequence.
-- ``Attention`` (no attention bias): the input times the
-  packed QKV weight plus its bias, split into heads, ``softmax(Q K^T * scale
-  + mask) V``; a mask index of one length per sequence (right padding) or a
-  raw 0/1 mask adds ``mask_filter_value`` where masked, and so does
-  ``unidirectional`` above the diagonal.
+- ``Attention``: the input times the packed QKV weight plus its bias,
+  split into heads, ``softmax(Q K^T * scale + mask) V``; a mask index of
+  one length per sequence (right padding) or a raw 0/1 mask adds
+  ``mask_filter_value`` where masked, and so does ``unidirectional`` above
+  the diagonal; an attention bias is added as it is (one broadcast over the
+  batch from onnxruntime 1.20: 1.19's kernel reads it otherwise).
 - ``MultiHeadAttention`` (separate query, key and value of three axes):
   the same, with its packed bias, key padding mask and attention bias (the
   mask and the bias from onnxruntime 1.20: 1.19's kernel reads them
@@ -30,7 +31,8 @@ to float rounding). Inference sessions run the file's fused kernels.
 - A past state (``Attention``'s stacked keys and values, or
   ``MultiHeadAttention``'s two) goes before the new keys and values, the
   present outputs their concatenation, and a causal mask is offset by its
-  length.
+  length; ``MultiHeadAttention``'s key padding mask beside it is a raw one
+  over past and new keys (lengths are left: refused by name).
 - ``MatMulNBits`` (4 bits, the quantizer's blockwise weight-only form): the
   input times the weight dequantized from its packed blocks (low nibble
   first, ``(q - zero point) * scale`` per block, zero point 8 when absent),
@@ -44,9 +46,13 @@ to float rounding). Inference sessions run the file's fused kernels.
   heads, rotary embeddings from its caches at positions after the past
   state, keys after a sequence's last token (``seqlens_k``) and after the
   query masked; the past state goes before the new keys (its present
-  outputs). Position ids, attention bias, head sinks, a window, a softcap,
-  smooth softmax, and a past state on onnxruntime 1.19 (whose kernel reads
-  it otherwise) are left: refused by name.
+  outputs); a softcap (``softcap * tanh(scores / softcap)``, before the
+  masks) and, from onnxruntime 1.20, a local window (each query's own key
+  and the ``local_window_size - 1`` before it; a padding query that sees
+  none outputs 0, as the kernel's does). Position ids, attention bias, head
+  sinks, smooth softmax, a window beside a softcap (the kernel windows the
+  capped scores otherwise), and a window or a past state on onnxruntime
+  1.19 (whose kernel reads them otherwise) are left: refused by name.
 - ``RotaryEmbedding`` (input of three axes, batch by sequence by hidden;
   position ids per token or one offset): each head's first rotary
   dimensions turned by the cosines and sines its positions gather, in
@@ -414,8 +420,12 @@ class _Writer:
 
     def Attention(self):
         node = self.node
-        if any(self._in(i) for i in range(5, 8)) or any(node.output[2:]):
-            return None  # attention bias, a shared cache's length: left (refused by name)
+        if any(self._in(i) for i in (6, 7)) or any(node.output[2:]):
+            return None  # a shared cache's length, scores out: left (refused by name)
+        if self._in(5) and _ort.version() < (1, 20):
+            bias, x = self.shapes.get(self._in(5)), self.shapes.get(self._in(0))
+            if not bias or not x or bias[0] is None or bias[0] != x[0]:
+                return None  # 1.19's kernel reads a bias broadcast over the batch otherwise
         past = self._in(4)  # (2, B, N, P, head): keys, values
         if past and self._in(3) and len(self.shapes.get(self._in(3)) or ()) != 2:
             return None  # a mask index with a past state: left
@@ -433,6 +443,8 @@ class _Writer:
         penalties = []
         if self._in(3):
             penalties.append(self._mask_penalty(self._in(3), self._in(0)))
+        if self._in(5):
+            penalties.append(self._in(5))  # (B or 1, N, S, T): added as it is
         if not past:
             return self._attend(*names, heads, hidden, penalties)
         states = [self.op("Gather", [past, self._int(i)], axis=0) for i in (0, 1)]
@@ -443,8 +455,10 @@ class _Writer:
         past = (self._in(6), self._in(7))
         if any(self._in(i) for i in (8, 9)) or node.output[3:4] and node.output[3]:
             return None  # a shared cache's length, beam indices, scores out: left
-        if any(past) and (not all(past) or self._in(4)):
-            return None  # a past state with a key padding mask (its length): left
+        if any(past) and not all(past):
+            return None
+        if any(past) and self._in(4) and len(self.shapes.get(self._in(4)) or ()) != 2:
+            return None  # a past state with lengths, not a raw (B, P + L) mask: left
         if (self._in(4) or self._in(5)) and _ort.version() < (1, 20):
             # onnxruntime 1.19's kernel reads a key padding mask and an
             # attention bias otherwise (its outputs differ from these ops').
@@ -477,8 +491,9 @@ class _Writer:
         node = self.node
         if any(self._in(i) for i in range(9, 14)) or any(node.output[3:]):
             return None  # position ids, attention bias, head sinks; scores out: left
-        if attr(node, "local_window_size", -1) != -1 or attr(node, "softcap", 0.0):
-            return None
+        window, softcap = attr(node, "local_window_size", -1), attr(node, "softcap", 0.0)
+        if window > 0 and (softcap or _ort.version() < (1, 20)):
+            return None  # onnxruntime's kernels window a capped or 1.19's scores otherwise
         if attr(node, "smooth_softmax", 0) or (self._in(3) and _ort.version() < (1, 20)):
             return None  # onnxruntime 1.19's kernel reads a past state otherwise
         heads, kv_heads = attr(node, "num_heads", 0), attr(node, "kv_num_heads", 0)
@@ -543,9 +558,15 @@ class _Writer:
                 self.const(scale),
             ],
         )
-        keep = self.op("And", [self._causal_keep(scores), self._valid_keys(k, self._in(5))])
+        if softcap > 0:  # softcap * tanh(scores / softcap), before the masks
+            capped = self.op("Tanh", [self.op("Mul", [scores, self.const(1.0 / softcap)])])
+            scores = self.op("Mul", [capped, self.const(softcap)])
+        causal = self._causal_keep(scores, window if window > 0 else None)
+        keep = self.op("And", [causal, self._valid_keys(k, self._in(5))])
         lowest = self.const(float(np.finfo(np_dtype(self.elem)).min))
         probs = self.op("Softmax", [self.op("Where", [keep, scores, lowest])], axis=-1)
+        if window > 0:  # a padding query may see no key in its window: its output is 0
+            probs = self.op("Mul", [probs, self.op("Cast", [keep], to=self.elem)])
         context = self.op("Transpose", [self.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])
         self.op("Reshape", [context, self._axes([0, 0, heads * head])], self._out(0))
         return self.out
@@ -614,17 +635,22 @@ class _Writer:
         fill = self.const(attr(self.node, "mask_filter_value", -10000.0))
         return self.op("Where", [self._causal_keep(scores), self.const(0.0), fill])
 
-    def _causal_keep(self, scores: str) -> str:
+    def _causal_keep(self, scores: str, window: int | None = None) -> str:
         """(S, T): key ``j`` for query ``i`` where ``j <= i + T - S`` (the queries
-        the last S of T positions, after a past state)."""
+        the last S of T positions, after a past state), and with a ``window``
+        ``j > i + T - S - window`` (the query's own key and ``window - 1`` before)."""
         shape = self.op("Shape", [scores])
         square = self.op("Slice", [shape, self._axes([2]), self._axes([4])])
         ones = self.op(
             "ConstantOfShape", [square], value=numpy_helper.from_array(np.ones(1, np.int64))
         )
         sizes = [self.op("Gather", [shape, self._int(axis)], axis=0) for axis in (3, 2)]
-        lower = self.op("Trilu", [ones, self.op("Sub", sizes)], upper=0)
-        return self.op("Cast", [lower], to=TensorProto.BOOL)
+        offset = self.op("Sub", sizes)
+        kept = self.op("Trilu", [ones, offset], upper=0)
+        if window is not None:
+            start = self.op("Sub", [offset, self._int(window - 1)])
+            kept = self.op("Trilu", [kept, start], upper=1)
+        return self.op("Cast", [kept], to=TensorProto.BOOL)
 
     def _mask_penalty(self, mask: str, x: str) -> str | None:
         """``mask_filter_value`` where a key is masked, 0 elsewhere, as (B, 1, 1, T)."""
