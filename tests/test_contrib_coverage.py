@@ -162,3 +162,41 @@ def test_a_grouped_query_attention_block_trains_as_torch():
     (ref * cotangent).sum().backward()
     for name, want in w.items():
         torch.testing.assert_close(layer.onnx_weight(name).grad, want.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "attrs, extra",
+    [({"k_quant_type": "PER_TENSOR"}, 0), ({"kv_cache_bit_width": 8}, 0),
+     ({"sliding_window_cache": 1}, 0), ({"qk_output": 1}, 0), ({}, 14), ({}, 9)],
+    ids=["quantized-keys", "cache-bits", "window-cache", "scores-out", "q-norm", "position-ids"],
+)  # fmt: skip
+def test_group_query_attention_forms_without_a_decomposition_stay_fused(attrs, extra):
+    """A GroupQueryAttention whose cache is quantized or shared with a window,
+    that outputs its scores, or that reads an input past the rotary caches
+    (position ids, a bias, sinks, query and key norms) is not decomposed: it
+    stays itself, which the engine then refuses by name, instead of being
+    read as plain causal attention."""
+    from ortbridge._engines.onnxruntime._ad_rewrites_fused import fused_as_standard
+
+    inputs = (
+        ["q", "k", "v", "", "", "seqlens_k", "total"] + [""] * (extra - 6) + ["w"] * bool(extra)
+    )
+    node = h.make_node(
+        "GroupQueryAttention", inputs, ["y", "pk", "pv"], domain="com.microsoft",
+        num_heads=2, kv_num_heads=1, **attrs,
+    )  # fmt: skip
+    values = [h.make_tensor_value_info(n, T.FLOAT, s) for n, s in
+              (("q", [1, 3, 16]), ("k", [1, 3, 8]), ("v", [1, 3, 8]), ("w", [8]))]  # fmt: skip
+    values += [h.make_tensor_value_info("seqlens_k", T.INT32, [1])]
+    values += [h.make_tensor_value_info("total", T.INT32, [])]
+    graph = h.make_graph([node], "g", values, [h.make_tensor_value_info("y", T.FLOAT, None)])
+    ms = "com.microsoft"
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(ms, 1)])
+    assert [n.op_type for n in fused_as_standard(model).graph.node] == ["GroupQueryAttention"]
+    plain = h.make_node(
+        "GroupQueryAttention", inputs[:7], ["y", "pk", "pv"], domain=ms,
+        num_heads=2, kv_num_heads=1,
+    )  # fmt: skip
+    del model.graph.node[:]
+    model.graph.node.append(plain)
+    assert "GroupQueryAttention" not in [n.op_type for n in fused_as_standard(model).graph.node]

@@ -253,6 +253,8 @@ if _ort.version() >= (1, 20):
     # query differs between sessions of other settings (no reference there).
     CASES["group_query_attention_softcap"] = lambda: _gqa_padded("softcap", softcap=1.5)
     CASES["group_query_attention_window"] = lambda: _gqa_padded("window", local_window_size=2)
+    CASES["group_query_attention_smooth"] = lambda: _gqa_padded("smooth", smooth_softmax=1)
+    CASES["group_query_attention_noncausal"] = lambda: _gqa_padded("noncausal", causal=0)
 
 
 #: Cases onnxruntime before 1.20 runs otherwise (its MultiHeadAttention

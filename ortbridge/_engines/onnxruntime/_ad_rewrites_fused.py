@@ -49,10 +49,13 @@ to float rounding). Inference sessions run the file's fused kernels.
   outputs); a softcap (``softcap * tanh(scores / softcap)``, before the
   masks) and, from onnxruntime 1.20, a local window (each query's own key
   and the ``local_window_size - 1`` before it; a padding query that sees
-  none outputs 0, as the kernel's does). Position ids, attention bias, head
-  sinks, smooth softmax, a window beside a softcap (the kernel windows the
-  capped scores otherwise), and a window or a past state on onnxruntime
-  1.19 (whose kernel reads them otherwise) are left: refused by name.
+  none outputs 0, as the kernel's does), ``causal=0`` and a smooth softmax
+  (one more logit of 0 in each row). Position ids, attention bias, head
+  sinks, query and key norms, a quantized or window-shared cache, a scores
+  output, a window beside a softcap (the kernel windows the capped scores
+  otherwise), and on onnxruntime 1.19 (whose kernel reads them otherwise or
+  lacks them) a window, a past state, ``causal=0`` and a smooth softmax are
+  left: refused by name.
 - ``RotaryEmbedding`` (input of three axes, batch by sequence by hidden;
   position ids per token or one offset): each head's first rotary
   dimensions turned by the cosines and sines its positions gather, in
@@ -119,6 +122,20 @@ def _fused(node: onnx.NodeProto) -> bool:
     if node.op_type == "SimplifiedLayerNormalization" and node.domain in ("", "ai.onnx"):
         return True
     return node.domain == _MS and node.op_type in FUSED
+
+
+def _plain_cache(node: onnx.NodeProto) -> bool:
+    """Whether a GroupQueryAttention keeps its key-value cache in float, in
+    buffers of its own (no quantization, no sliding-window cache, no scores
+    output)."""
+    none = ("NONE", b"NONE")
+    return (
+        attr(node, "k_quant_type", "NONE") in none
+        and attr(node, "v_quant_type", "NONE") in none
+        and not attr(node, "kv_cache_bit_width", 0)
+        and not attr(node, "sliding_window_cache", 0)
+        and not attr(node, "qk_output", 0)
+    )
 
 
 class _Writer:
@@ -420,8 +437,12 @@ class _Writer:
 
     def Attention(self):
         node = self.node
-        if any(self._in(i) for i in (6, 7)) or any(node.output[2:]):
-            return None  # a shared cache's length, scores out: left (refused by name)
+        if (
+            any(node.input[6:])
+            or any(node.output[2:])
+            or attr(node, "past_present_share_buffer", 0)
+        ):
+            return None  # a shared cache (its length), scores out: left (refused by name)
         if self._in(5) and _ort.version() < (1, 20):
             bias, x = self.shapes.get(self._in(5)), self.shapes.get(self._in(0))
             if not bias or not x or bias[0] is None or bias[0] != x[0]:
@@ -489,12 +510,15 @@ class _Writer:
 
     def GroupQueryAttention(self):
         node = self.node
-        if any(self._in(i) for i in range(9, 14)) or any(node.output[3:]):
-            return None  # position ids, attention bias, head sinks; scores out: left
+        if any(node.input[9:]) or any(node.output[3:]) or not _plain_cache(node):
+            return None  # position ids, bias, sinks, q/k norms, a quantized cache: left
         window, softcap = attr(node, "local_window_size", -1), attr(node, "softcap", 0.0)
-        if window > 0 and (softcap or _ort.version() < (1, 20)):
+        causal, smooth = attr(node, "causal", 1), attr(node, "smooth_softmax", -1) > 0
+        if window > 0 and (softcap or not causal or _ort.version() < (1, 20)):
             return None  # onnxruntime's kernels window a capped or 1.19's scores otherwise
-        if attr(node, "smooth_softmax", 0) or (self._in(3) and _ort.version() < (1, 20)):
+        if (smooth or not causal) and _ort.version() < (1, 20):
+            return None  # 1.19's kernel has neither
+        if self._in(3) and _ort.version() < (1, 20):
             return None  # onnxruntime 1.19's kernel reads a past state otherwise
         heads, kv_heads = attr(node, "num_heads", 0), attr(node, "kv_num_heads", 0)
         query, key, value = self._in(0), self._in(1), self._in(2)
@@ -561,10 +585,17 @@ class _Writer:
         if softcap > 0:  # softcap * tanh(scores / softcap), before the masks
             capped = self.op("Tanh", [self.op("Mul", [scores, self.const(1.0 / softcap)])])
             scores = self.op("Mul", [capped, self.const(softcap)])
-        causal = self._causal_keep(scores, window if window > 0 else None)
-        keep = self.op("And", [causal, self._valid_keys(k, self._in(5))])
+        keep = self._valid_keys(k, self._in(5))
+        if causal:
+            keep = self.op("And", [self._causal_keep(scores, window if window > 0 else None), keep])
         lowest = self.const(float(np.finfo(np_dtype(self.elem)).min))
-        probs = self.op("Softmax", [self.op("Where", [keep, scores, lowest])], axis=-1)
+        scores = self.op("Where", [keep, scores, lowest])
+        if smooth:  # one more logit of 0 in each row's softmax, dropped after
+            zero = self.op("Mul", [self._slice_last(scores, 0, 1), self.const(0.0)])
+            probs = self.op("Softmax", [self.op("Concat", [scores, zero], axis=-1)], axis=-1)
+            probs = self._slice_last(probs, 0, -1)
+        else:
+            probs = self.op("Softmax", [scores], axis=-1)
         if window > 0:  # a padding query may see no key in its window: its output is 0
             probs = self.op("Mul", [probs, self.op("Cast", [keep], to=self.elem)])
         context = self.op("Transpose", [self.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])
