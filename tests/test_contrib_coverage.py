@@ -167,19 +167,20 @@ def test_a_grouped_query_attention_block_trains_as_torch():
 @pytest.mark.parametrize(
     "attrs, extra",
     [({"k_quant_type": "PER_TENSOR"}, 0), ({"kv_cache_bit_width": 8}, 0),
-     ({"sliding_window_cache": 1}, 0), ({"qk_output": 1}, 0), ({}, 14), ({}, 9)],
-    ids=["quantized-keys", "cache-bits", "window-cache", "scores-out", "q-norm", "position-ids"],
+     ({"sliding_window_cache": 1}, 0), ({"qk_output": 1}, 0), ({}, 14), ({}, 9), ({}, 12)],
+    ids=["quantized-keys", "cache-bits", "window-cache", "scores-out", "q-norm", "position-ids",
+         "k-scale"],
 )  # fmt: skip
 def test_group_query_attention_forms_without_a_decomposition_stay_fused(attrs, extra):
     """A GroupQueryAttention whose cache is quantized or shared with a window,
-    that outputs its scores, or that reads an input past the rotary caches
-    (position ids, a bias, sinks, query and key norms) is not decomposed: it
+    that outputs its scores, or that reads position ids, key or value scales
+    or query and key norms is not decomposed: it
     stays itself, which the engine then refuses by name, instead of being
     read as plain causal attention."""
     from ortbridge._engines.onnxruntime._ad_rewrites_fused import fused_as_standard
 
     inputs = (
-        ["q", "k", "v", "", "", "seqlens_k", "total"] + [""] * (extra - 6) + ["w"] * bool(extra)
+        ["q", "k", "v", "", "", "seqlens_k", "total"] + [""] * (extra - 7) + ["w"] * bool(extra)
     )
     node = h.make_node(
         "GroupQueryAttention", inputs, ["y", "pk", "pv"], domain="com.microsoft",

@@ -76,15 +76,26 @@ def _lengths(*values):
     return np.array(values, np.int32)
 
 
-def _gqa_padded(label: str, **attrs) -> NodeCase:
+def _gqa_padded(label: str, extra: dict | None = None, **attrs) -> NodeCase:
     """GroupQueryAttention over 4 query heads on 2 key-value heads, the second
-    sequence padded after its fourth token, with ``attrs``."""
+    sequence padded after its fourth token, with ``attrs`` and, after the
+    rotary caches' slots and position ids, the inputs ``extra``."""
+    after = (
+        {
+            "   ": np.zeros(0, np.float32),
+            "    ": np.zeros(0, np.float32),
+            "     ": np.zeros(0, np.int64),
+            **extra,
+        }
+        if extra
+        else {}
+    )
     return _case(
         f"group_query_attention_{label}", "GroupQueryAttention",
         {"q": _random(2, 6, 32, seed=31), "k": _random(2, 6, 16, seed=32),
          "v": _random(2, 6, 16, seed=33), "": np.zeros(0, np.float32),
          " ": np.zeros(0, np.float32), "seqlens_k": _lengths(5, 3),
-         "total_sequence_length": np.array(6, np.int32)},
+         "total_sequence_length": np.array(6, np.int32), **after},
         ["y", "present_key", "present_value"], (T.FLOAT, T.FLOAT), num_heads=4, kv_num_heads=2,
         **attrs,
     )  # fmt: skip
@@ -255,6 +266,10 @@ if _ort.version() >= (1, 20):
     CASES["group_query_attention_window"] = lambda: _gqa_padded("window", local_window_size=2)
     CASES["group_query_attention_smooth"] = lambda: _gqa_padded("smooth", smooth_softmax=1)
     CASES["group_query_attention_noncausal"] = lambda: _gqa_padded("noncausal", causal=0)
+    CASES["group_query_attention_bias_sinks"] = lambda: _gqa_padded(
+        "bias_sinks", {"attention_bias": _random(2, 4, 6, 6, seed=34),
+                       "head_sink": _random(4, seed=35)}, softcap=2.0,
+    )  # fmt: skip
 
 
 #: Cases onnxruntime before 1.20 runs otherwise (its MultiHeadAttention

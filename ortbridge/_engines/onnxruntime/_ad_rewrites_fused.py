@@ -49,13 +49,15 @@ to float rounding). Inference sessions run the file's fused kernels.
   outputs); a softcap (``softcap * tanh(scores / softcap)``, before the
   masks) and, from onnxruntime 1.20, a local window (each query's own key
   and the ``local_window_size - 1`` before it; a padding query that sees
-  none outputs 0, as the kernel's does), ``causal=0`` and a smooth softmax
-  (one more logit of 0 in each row). Position ids, attention bias, head
-  sinks, query and key norms, a quantized or window-shared cache, a scores
+  none outputs 0, as the kernel's does), ``causal=0``, a smooth softmax
+  (one more logit of 0 in each row), an attention bias (added after the
+  softcap) and head sinks (each head's logit one more in its rows'
+  softmax). Position ids (1.31's kernel reads a prompt's otherwise), query
+  and key norms, a quantized or window-shared cache, a scores
   output, a window beside a softcap (the kernel windows the capped scores
   otherwise), and on onnxruntime 1.19 (whose kernel reads them otherwise or
-  lacks them) a window, a past state, ``causal=0`` and a smooth softmax are
-  left: refused by name.
+  lacks them) a window, a past state, ``causal=0``, a smooth softmax, a bias
+  and sinks are left: refused by name.
 - ``RotaryEmbedding`` (input of three axes, batch by sequence by hidden;
   position ids per token or one offset): each head's first rotary
   dimensions turned by the cosines and sines its positions gather, in
@@ -510,8 +512,14 @@ class _Writer:
 
     def GroupQueryAttention(self):
         node = self.node
-        if any(node.input[9:]) or any(node.output[3:]) or not _plain_cache(node):
-            return None  # position ids, bias, sinks, q/k norms, a quantized cache: left
+        if self._in(9):
+            # onnxruntime 1.31's CPU kernel reads a prompt's position ids in a
+            # way no rule of positions matches (measured): left
+            return None
+        if any(node.input[12:]) or any(node.output[3:]) or not _plain_cache(node):
+            return None  # quantized or normed keys, a quantized cache, scores out: left
+        if any(node.input[10:12]) and _ort.version() < (1, 20):
+            return None  # a bias, head sinks: 1.19's kernel has neither
         window, softcap = attr(node, "local_window_size", -1), attr(node, "softcap", 0.0)
         causal, smooth = attr(node, "causal", 1), attr(node, "smooth_softmax", -1) > 0
         if window > 0 and (softcap or not causal or _ort.version() < (1, 20)):
@@ -545,8 +553,7 @@ class _Writer:
             cache = self.shapes.get(self._in(7))
             if not cache or len(cache) != 2 or not isinstance(cache[1], int):
                 return None
-            past = self._past_length()
-            steps = self.op("Add", [self._positions(query), past])  # P .. P+S-1
+            steps = self.op("Add", [self._positions(query), self._past_length()])  # P .. P+S-1
             c, s = (
                 self.op("Unsqueeze", [self.op("Gather", [t, steps], axis=0), self._axes([1])])
                 for t in (self._in(7), self._in(8))
@@ -585,14 +592,19 @@ class _Writer:
         if softcap > 0:  # softcap * tanh(scores / softcap), before the masks
             capped = self.op("Tanh", [self.op("Mul", [scores, self.const(1.0 / softcap)])])
             scores = self.op("Mul", [capped, self.const(softcap)])
+        if self._in(10):  # (B or 1, N or 1, S, T)
+            scores = self.op("Add", [scores, self._in(10)])
         keep = self._valid_keys(k, self._in(5))
         if causal:
             keep = self.op("And", [self._causal_keep(scores, window if window > 0 else None), keep])
         lowest = self.const(float(np.finfo(np_dtype(self.elem)).min))
         scores = self.op("Where", [keep, scores, lowest])
-        if smooth:  # one more logit of 0 in each row's softmax, dropped after
-            zero = self.op("Mul", [self._slice_last(scores, 0, 1), self.const(0.0)])
-            probs = self.op("Softmax", [self.op("Concat", [scores, zero], axis=-1)], axis=-1)
+        if smooth or self._in(11):  # one more logit in each row's softmax, dropped after
+            extra = self.op("Mul", [self._slice_last(scores, 0, 1), self.const(0.0)])
+            if self._in(11):  # each head's sink: (N,) as (1, N, 1, 1)
+                sink = self.op("Reshape", [self._in(11), self._axes([1, heads, 1, 1])])
+                extra = self.op("Add", [extra, sink])
+            probs = self.op("Softmax", [self.op("Concat", [scores, extra], axis=-1)], axis=-1)
             probs = self._slice_last(probs, 0, -1)
         else:
             probs = self.op("Softmax", [scores], axis=-1)
