@@ -325,6 +325,25 @@ def test_nearest_upsampling_gradient_under_every_coordinate_mode(transform, roun
 
 
 @needs_engine
+def test_a_bias_gradient_is_one_product_by_a_vector_of_ones():
+    """A bias's gradient, the sum over leading axes, runs as the vector of ones
+    times the gradient, written as the bias's shape: no Reshape after the
+    product (28 nodes fewer in ConvNeXt's backward, 44 in ViT's). Torch's
+    gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3))
+    x = torch.randn(5, 4, 6)
+    layer = OnnxModule(export(model, (x,)), backend=ORT)
+    _compare(model, layer, x)
+    graph = layer._bridge.gradient_graph("train", [True] * 7, x.device, [x])
+    backward = graph.static_built([x]).split.backward.graph
+    producer = {o: n for n in backward.node for o in n.output}
+    biases = [o.name for o in backward.output if o.name.endswith("bias_value")]
+    assert len(biases) == 3, [o.name for o in backward.output]
+    assert [producer[b].op_type for b in biases] == ["MatMul"] * 3
+
+
+@needs_engine
 @pytest.mark.parametrize(
     ("c_in", "c_out", "batch", "size"), [(3, 5, 4, (6, 5)), (64, 96, 2, (4, 3)), (8, 4, 1, (5, 7))]
 )

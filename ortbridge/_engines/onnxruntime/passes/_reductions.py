@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ortbridge._prepare._lookup import _unique
+from ortbridge._prepare._lookup import _all_names, _unique
 
 from ._optimize import Facts, _const, facts, reduce_axes, replace_nodes
 from ._simplify import _constants, _live, _static, reshape
@@ -99,6 +99,7 @@ def reductions_dropping_axes(model: onnx.ModelProto, found: Facts) -> None:
     producing ``Reshape``'s constant target. In place.
     """
     graph = model.graph
+    _vector_sums(graph)
     kept_axes = [
         n for n in graph.node
         if n.op_type in _REDUCTIONS and not n.domain
@@ -143,6 +144,45 @@ def reductions_dropping_axes(model: onnx.ModelProto, found: Facts) -> None:
         kept = _live([n for n in graph.node if id(n) not in dropped], outputs)
         del graph.node[:]
         graph.node.extend(kept)
+
+
+def _vector_sums(graph: onnx.GraphProto) -> None:
+    """A sum over leading axes as a row of ones times ``X (R, C)`` (see
+    :func:`fast_reductions`) read only by a ``Reshape`` to ``(C,)`` (a bias's
+    gradient) is the vector of ones times ``X``, written under the Reshape's
+    name: a node less, the same values. In place."""
+    constants = _constants(graph)
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs, taken = {o.name for o in graph.output}, _all_names(graph)
+    dropped, added = set(), []
+    for node in graph.node:
+        if node.op_type != "MatMul" or node.domain or node.output[0] in outputs:
+            continue
+        ones = constants.get(node.input[0]) if node.input[0] in constants else None
+        users = readers.get(node.output[0], [])
+        if ones is None or ones.ndim != 2 or ones.shape[0] != 1 or not np.all(ones == 1):
+            continue
+        if len(users) != 1 or _target(users[0], constants) is None:
+            continue
+        target = _target(users[0], constants)
+        if len(target) != 1:
+            continue
+        vector = _unique(f"{node.input[0]}/vector", taken)
+        added.append((vector, ones.reshape(-1)))
+        node.input[0] = vector
+        node.output[0] = users[0].output[0]
+        dropped.add(id(users[0]))
+    if dropped:
+        constants_nodes = [
+            helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value))
+            for name, value in added
+        ]
+        kept = [n for n in graph.node if id(n) not in dropped]
+        del graph.node[:]
+        graph.node.extend(constants_nodes + kept)
 
 
 def _target(node, constants) -> list | None:
