@@ -25,8 +25,10 @@ depthwise one of a small kernel as im2col and a MatMul
 (:func:`_depthwise_weight`).
 Another writes the ``ConvTranspose`` of Conv's and the pools' input gradients
 with explicit pads, which onnx's shape inference gets right
-(:func:`_explicit_transposes`). A nearest ``Resize`` by integer factors sums
-each block of its gradient instead of contracting interpolation matrices
+(:func:`_explicit_transposes`). A ``ConvTranspose``'s weight, which onnx-ad
+refuses, gets the adjoint convolution's weight gradient
+(:func:`_conv_transpose`). A nearest ``Resize`` by integer factors sums each
+block of its gradient instead of contracting interpolation matrices
 (:func:`_resize`). And ``com.microsoft`` ``QuickGelu`` (a SiLU fused by
 :mod:`.passes._fused_activations`) gets a rule of its own.
 
