@@ -201,3 +201,19 @@ def test_group_query_attention_forms_without_a_decomposition_stay_fused(attrs, e
     del model.graph.node[:]
     model.graph.node.append(plain)
     assert "GroupQueryAttention" not in [n.op_type for n in fused_as_standard(model).graph.node]
+
+
+def test_attention_with_a_bias_broadcast_over_the_batch_stays_fused_on_1_19():
+    """onnxruntime 1.19's Attention reads a bias of batch 1 past its end (its
+    output changes from run to run): there the node stays fused, refused by
+    name; from 1.20 it is decomposed (the node case checks it)."""
+    from ortbridge._engines.onnxruntime._ad_rewrites_fused import fused_as_standard
+
+    ms = "com.microsoft"
+    node = h.make_node("Attention", ["x", "w", "b", "", "", "bias"], ["y"], domain=ms, num_heads=2)
+    values = [h.make_tensor_value_info(n, T.FLOAT, s) for n, s in
+              (("x", [2, 4, 8]), ("w", [8, 24]), ("b", [24]), ("bias", [1, 2, 4, 4]))]  # fmt: skip
+    graph = h.make_graph([node], "g", values, [h.make_tensor_value_info("y", T.FLOAT, None)])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(ms, 1)])
+    ops = [n.op_type for n in fused_as_standard(model).graph.node]
+    assert (ops == ["Attention"]) == (_ort.version() < (1, 20)), ops
