@@ -277,3 +277,33 @@ def test_handed_over_facts_equal_a_whole_inference(monkeypatch):
     layer = OnnxModule(export(block, (x,)), backend="onnxruntime")
     layer(x).sum().backward()
     assert compared == ["reverse", "backward"]
+
+
+@pytest.mark.parametrize("x_shape, vector", [((6, 4), True), ((2, 6, 4), False)])
+def test_a_row_of_ones_times_a_matrix_becomes_a_vector_product_only_for_a_matrix(x_shape, vector):
+    """``ones (1, R) @ X`` viewed as one vector is ``ones (R,) @ X`` where ``X`` is
+    ``(R, C)``; a batched ``X (B, R, C)`` keeps its product and the view (the
+    vector product would be ``(B, C)``, not the view's one axis)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ortbridge._engines.onnxruntime.passes._optimize import facts
+    from ortbridge._engines.onnxruntime.passes._reductions import reductions_dropping_axes
+    from ortbridge._prepare._onnx_utils import make_model
+
+    ones = numpy_helper.from_array(np.ones((1, 6), np.float32))
+    nodes = [
+        helper.make_node("Constant", [], ["ones"], value=ones),
+        helper.make_node("MatMul", ["ones", "x"], ["sum"]),
+        helper.make_node("Constant", [], ["flat"], value=numpy_helper.from_array(np.array([-1]))),
+        helper.make_node("Reshape", ["sum", "flat"], ["y"]),
+        helper.make_node("Relu", ["y"], ["out"]),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, None)
+    model = make_model(helper.make_graph(nodes, "g", [x], [out]))
+    reductions_dropping_axes(model, facts(model))
+    ops = [n.op_type for n in model.graph.node]
+    assert ("Reshape" not in ops) == vector, ops
+    product = next(n for n in model.graph.node if n.op_type == "MatMul")
+    assert (product.output[0] == "y") == vector

@@ -99,7 +99,7 @@ def reductions_dropping_axes(model: onnx.ModelProto, found: Facts) -> None:
     producing ``Reshape``'s constant target. In place.
     """
     graph = model.graph
-    _vector_sums(graph)
+    _vector_sums(graph, found)
     kept_axes = [
         n for n in graph.node
         if n.op_type in _REDUCTIONS and not n.domain
@@ -146,12 +146,13 @@ def reductions_dropping_axes(model: onnx.ModelProto, found: Facts) -> None:
         graph.node.extend(kept)
 
 
-def _vector_sums(graph: onnx.GraphProto) -> None:
+def _vector_sums(graph: onnx.GraphProto, found: Facts) -> None:
     """A sum over leading axes as a row of ones times ``X (R, C)`` (see
     :func:`fast_reductions`) read only by a ``Reshape`` to ``(C,)`` (a bias's
     gradient) is the vector of ones times ``X``, written under the Reshape's
     name: a node less, the same values. In place."""
     constants = _constants(graph)
+    producer = {o: n for n in graph.node for o in n.output}
     readers: dict[str, list] = {}
     for node in graph.node:
         for name in node.input:
@@ -161,28 +162,29 @@ def _vector_sums(graph: onnx.GraphProto) -> None:
     for node in graph.node:
         if node.op_type != "MatMul" or node.domain or node.output[0] in outputs:
             continue
-        ones = constants.get(node.input[0]) if node.input[0] in constants else None
-        users = readers.get(node.output[0], [])
+        ones, users = constants.get(node.input[0]), readers.get(node.output[0], [])
         if ones is None or ones.ndim != 2 or ones.shape[0] != 1 or not np.all(ones == 1):
             continue
-        if len(users) != 1 or _target(users[0], constants) is None:
+        # X of two axes only: a batched product's rows would not be one vector.
+        rows = _shape_of(node.input[1], found, producer, constants)
+        if len(users) != 1 or rows is None or len(rows) != 2 or rows[0] != ones.shape[1]:
             continue
         target = _target(users[0], constants)
-        if len(target) != 1:
+        if target is None or len(target) != 1:
             continue
         vector = _unique(f"{node.input[0]}/vector", taken)
-        added.append((vector, ones.reshape(-1)))
+        added.append(
+            helper.make_node(
+                "Constant", [], [vector], value=numpy_helper.from_array(ones.reshape(-1))
+            )
+        )
         node.input[0] = vector
         node.output[0] = users[0].output[0]
         dropped.add(id(users[0]))
-    if dropped:
-        constants_nodes = [
-            helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value))
-            for name, value in added
-        ]
-        kept = [n for n in graph.node if id(n) not in dropped]
+    if dropped:  # the rows of ones and the Reshapes' targets no node reads go too
+        kept = _live(added + [n for n in graph.node if id(n) not in dropped], outputs)
         del graph.node[:]
-        graph.node.extend(constants_nodes + kept)
+        graph.node.extend(kept)
 
 
 def _target(node, constants) -> list | None:
