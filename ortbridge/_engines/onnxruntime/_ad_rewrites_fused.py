@@ -518,16 +518,15 @@ class _Writer:
             return None
         if any(node.input[12:]) or any(node.output[3:]) or not _plain_cache(node):
             return None  # quantized or normed keys, a quantized cache, scores out: left
-        if any(node.input[10:12]) and _ort.version() < (1, 20):
-            return None  # a bias, head sinks: 1.19's kernel has neither
         window, softcap = attr(node, "local_window_size", -1), attr(node, "softcap", 0.0)
         causal, smooth = attr(node, "causal", 1), attr(node, "smooth_softmax", -1) > 0
-        if window > 0 and (softcap or not causal or _ort.version() < (1, 20)):
-            return None  # onnxruntime's kernels window a capped or 1.19's scores otherwise
-        if (smooth or not causal) and _ort.version() < (1, 20):
-            return None  # 1.19's kernel has neither
-        if self._in(3) and _ort.version() < (1, 20):
-            return None  # onnxruntime 1.19's kernel reads a past state otherwise
+        if window > 0 and (softcap or not causal):
+            return None  # the kernel windows the capped scores otherwise: left
+        newer = self._in(3) or any(node.input[10:12]) or window > 0 or smooth or not causal
+        if newer and _ort.version() < (1, 20):
+            # onnxruntime 1.19's kernel reads a past state and a window
+            # otherwise, and has no bias, sinks, smooth softmax or causal=0
+            return None
         heads, kv_heads = attr(node, "num_heads", 0), attr(node, "kv_num_heads", 0)
         query, key, value = self._in(0), self._in(1), self._in(2)
         shape = self.shapes.get(query)
