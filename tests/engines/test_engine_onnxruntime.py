@@ -635,7 +635,7 @@ def test_transposes_that_move_a_unit_axis_transpose_the_other_axes(shape, perm, 
     the other axes (a view alone where only unit axes move); the same values."""
 
     from ortbridge._engines.onnxruntime.passes._optimize import _shapes
-    from ortbridge._engines.onnxruntime.passes._unit_transposes import squeezed_transposes
+    from ortbridge._engines.onnxruntime.passes.unit_axes._transposes import squeezed_transposes
 
     graph = helper.make_graph(
         [

@@ -307,3 +307,153 @@ def test_a_row_of_ones_times_a_matrix_becomes_a_vector_product_only_for_a_matrix
     assert ("Reshape" not in ops) == vector, ops
     product = next(n for n in model.graph.node if n.op_type == "MatMul")
     assert (product.output[0] == "y") == vector
+
+
+def _seeded_backward():
+    """A graph in the form onnx-ad's reverse writes, with every form the seed
+    axis's removal reads: seeds and primal values given a unit axis last, an
+    elementwise chain, a transpose, reductions keeping and dropping axes, a
+    product of a stack with the unit axis first, a unit row as a vector, a
+    transposed matrix by a unit column (kept), and readers that need the axis
+    (a Concat, a Softmax, graph outputs)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ortbridge._prepare._onnx_utils import make_model
+
+    def const(name, value, dtype=np.int64):
+        return helper.make_node(
+            "Constant", [], [name], value=numpy_helper.from_array(np.array(value, dtype), name)
+        )
+
+    nodes = [
+        const("s4", [2, 3, 4, 1]), const("s31", [3, 1, 1]), const("first", [1, 2, 3, 4]),
+        const("back", [2, 3, 5, 1]), const("col", [3, 1]), const("row", [1, 3]),
+        const("ax1", [1]), const("ax13", [1, 3]), const("ones", np.ones((1, 1)), np.float32),
+        helper.make_node("Reshape", ["adj", "s4"], ["seed"]),
+        helper.make_node("Reshape", ["p", "s4"], ["p_unit"]),
+        helper.make_node("Reshape", ["v", "s31"], ["v_unit"]),  # a reshape either way
+        helper.make_node("Mul", ["seed", "p_unit"], ["m"]),
+        helper.make_node("Mul", ["m", "v_unit"], ["m2"]),
+        helper.make_node("Add", ["m2", "ones"], ["m3"]),
+        helper.make_node("Erf", ["m3"], ["e"]),
+        helper.make_node("Transpose", ["e"], ["t"], perm=[0, 2, 1, 3]),
+        helper.make_node("ReduceSum", ["t", "ax1"], ["kept"], keepdims=1),
+        helper.make_node("ReduceSum", ["t", "ax1"], ["dropped"], keepdims=0),
+        helper.make_node("ReduceSum", ["t", "ax13"], ["plain"], keepdims=0),
+        helper.make_node("Reshape", ["m3", "first"], ["stack"]),
+        helper.make_node("MatMul", ["stack", "w"], ["prod"]),
+        helper.make_node("Reshape", ["prod", "back"], ["prod_back"]),
+        helper.make_node("Reshape", ["adj2", "col"], ["column"]),
+        helper.make_node("Transpose", ["qt"], ["q"], perm=[1, 0]),
+        helper.make_node("MatMul", ["q", "column"], ["by_column"]),  # kept: see the pass
+        helper.make_node("Reshape", ["adj2", "row"], ["unit_row"]),
+        helper.make_node("MatMul", ["unit_row", "q2"], ["by_row"]),
+        helper.make_node("Concat", ["m2", "m2"], ["both"], axis=0),
+        helper.make_node("Softmax", ["prod_back"], ["soft"], axis=2),
+    ]  # fmt: skip
+    shapes = {"adj": [2, 3, 4], "p": [2, 3, 4], "v": [3], "w": [4, 5], "adj2": [3]}
+    shapes.update({"qt": [3, 5], "q2": [3, 4]})
+    outputs = ["kept", "dropped", "plain", "by_column", "by_row", "both", "soft"]
+    graph = helper.make_graph(
+        nodes,
+        "seeded",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in shapes.items()],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
+    )
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    return make_model(graph), feeds
+
+
+def test_the_seed_axis_goes_from_every_form_and_the_values_stay():
+    """Each adjoint read without its unit axis: the seeds' and primal values'
+    unsqueezes go, the chain computes on the squeezed tensors, and a reader
+    that needs the axis (a Concat, a Softmax on the product, the graph's
+    outputs) reads it made again by one view; every output as before."""
+    import numpy as np
+
+    from ortbridge._engines.onnxruntime.passes._optimize import facts
+    from ortbridge._engines.onnxruntime.passes.unit_axes._seed import without_seed_axis
+    from ortbridge._runtime._ort import runtime
+
+    model, feeds = _seeded_backward()
+
+    def run(m):
+        session = runtime().InferenceSession(
+            m.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        return session.run(None, feeds)
+
+    before = run(model)
+    without_seed_axis(model, facts(model))
+    after = run(model)
+    for name, a, b in zip([o.name for o in model.graph.output], before, after):
+        assert a.shape == b.shape, name
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * np.abs(a).max(), err_msg=name)
+    nodes = {n.output[0]: n for n in model.graph.node}
+    read = {name for n in model.graph.node for name in n.input}
+    # The seeds', the primal values' and the stack's unit axes are read nowhere.
+    assert not read & {"seed", "p_unit", "stack", "prod", "unit_row", "m", "e", "t"}
+    # The computing nodes read the squeezed tensors: the inputs themselves.
+    assert any(n.op_type == "Mul" and n.input[:2] == ["adj", "p"] for n in model.graph.node)
+    assert any(n.op_type == "MatMul" and n.input[:2] == ["adj2", "q2"] for n in model.graph.node)
+    # What needs the axis reads it made again, by one Reshape each.
+    for name in ("m2", "kept", "dropped", "prod_back", "by_row", "column"):
+        assert nodes[name].op_type == "Reshape", name
+    # A matrix times a unit column stays a product by the column: onnxruntime's
+    # fused transposed product by a vector is wrong (the Transpose above it).
+    assert nodes["by_column"].op_type == "MatMul" and nodes["by_column"].input[1] == "column"
+    # The reduction over the unit axis and another writes its plain output itself.
+    assert nodes["plain"].op_type == "ReduceSum"
+    assert nodes["plain"].input[0] != "t"
+
+
+def test_a_transpose_of_a_transpose_is_one_and_undoing_ones_are_none():
+    """Two Transposes through an Identity compose into one; a pair that undoes
+    itself (a weight gradient's, transposed back) leaves an Identity, and one
+    permuting unit axes only is no transpose; the values stay."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from ortbridge._engines.onnxruntime.passes._optimize import facts
+    from ortbridge._engines.onnxruntime.passes.unit_axes._transposes import composed_transposes
+    from ortbridge._prepare._onnx_utils import make_model
+    from ortbridge._runtime._ort import runtime
+
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["a"], perm=[1, 0, 2, 3]),
+        helper.make_node("Identity", ["a"], ["b"]),
+        helper.make_node("Transpose", ["b"], ["undone"], perm=[1, 0, 2, 3]),
+        helper.make_node("Transpose", ["b"], ["moved"], perm=[2, 0, 3, 1]),
+        helper.make_node("Transpose", ["u"], ["c"], perm=[1, 0, 2, 3]),
+        helper.make_node("Transpose", ["c"], ["units"], perm=[1, 0, 3, 2]),
+        helper.make_node("Relu", ["units"], ["read"]),  # a graph output's Transpose stays
+    ]
+    shapes = {"x": [2, 3, 4, 5], "u": [6, 2, 1, 1]}
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in shapes.items()],
+        [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+            for n in ("undone", "moved", "read")
+        ],
+    )
+    model = make_model(graph)
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+
+    def run(m):
+        cpu = ["CPUExecutionProvider"]
+        return runtime().InferenceSession(m.SerializeToString(), providers=cpu).run(None, feeds)
+
+    before = run(model)
+    composed_transposes(model, facts(model).shapes)
+    for a, b in zip(before, run(model)):
+        np.testing.assert_array_equal(a, b)
+    by_output = {n.output[0]: n for n in model.graph.node}
+    assert by_output["undone"].op_type == "Identity" and by_output["undone"].input[0] == "x"
+    assert by_output["moved"].op_type == "Transpose" and by_output["moved"].input[0] == "x"
+    assert by_output["units"].op_type in ("Identity", "Reshape")
+    assert by_output["units"].input[0] == "u"

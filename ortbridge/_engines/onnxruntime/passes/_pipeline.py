@@ -40,13 +40,14 @@ from ._scalar_operands import full_rank_scalars
 from ._scatter_sums import concat_scatter_sums, half_scatters_in_float
 from ._short_broadcasts import spread_short_broadcasts
 from ._simplify import collapse_views, merge_reshapes, simplify
-from ._unit_transposes import squeezed_transposes
 from ._weight_products import weight_products
 from .scan._hoist import hoisted_step_work
 from .scan._outputs import scan_outputs_without_copies
 from .scan._products import fused_scan_products
 from .scan._seed_axis import scan_bodies_without_seed_axis
 from .scan._sums import hoisted_scan_sums
+from .unit_axes._seed import without_seed_axis
+from .unit_axes._transposes import composed_transposes, squeezed_transposes
 
 PRIMAL, REVERSE, BACKWARD = "primal", "reverse", "backward"
 
@@ -136,6 +137,15 @@ def _current_facts(g: Graphs):
     return dataclasses.replace(grown, taken=_all_names(graph))
 
 
+def _unseeded(g: Graphs) -> None:
+    # The facts go on to the known-shape forms, extended by the nodes added.
+    found = _current_facts(g)
+    if found is not None:
+        without_seed_axis(g.backward, found)
+        composed_transposes(g.backward, found.shapes)
+    g.backward_facts = found
+
+
 def _known_shape_forms(g: Graphs) -> None:
     # All three read the shapes of the graph as it now is (new tensors they
     # add are not rewritten again). The views the reductions end with often
@@ -180,6 +190,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("unit axes out of transposes, views collapsed", BACKWARD, True, _views_collapsed),
     # Products in loop bodies, once their views have collapsed.
     Pass("Scan products with outside weights", BACKWARD, True, _scan_products),
+    Pass("adjoints without the seed axis", BACKWARD, True, _unseeded),
     Pass("reductions, scalar operands and short broadcasts at known shapes", BACKWARD, True,
          _known_shape_forms),
     # Not a speed-up: a kernel the CPU provider lacks (every shape; after the

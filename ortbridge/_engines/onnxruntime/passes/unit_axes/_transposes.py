@@ -17,6 +17,10 @@ the input without its unit axes, the ``Transpose`` of the rest, and
 ``Reshape`` to the output's shape (both views); one that moves only unit
 axes is the ``Reshape`` alone. Exact: the same elements in the same order.
 Static shapes only; the views then collapse with their neighbours.
+
+A ``Transpose`` of a ``Transpose`` is one (:func:`composed_transposes`):
+the weight gradients' rewrites and onnx-ad's own end one with a
+transpose that the next undoes or extends.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from onnx import helper
 
 from ortbridge._prepare._lookup import _all_names, _unique
 
-from ._optimize import _perm, replace_nodes
-from ._simplify import _static, reshape
+from .._optimize import _perm, replace_nodes
+from .._simplify import _static, reshape
 
 
 def squeezed_transposes(model: onnx.ModelProto, shapes: dict) -> None:
@@ -52,15 +56,17 @@ def _squeezed(node, shapes, taken, returned) -> list | None:
     if not _static(shape):
         return None
     perm = _perm(node) or list(reversed(range(len(shape))))
-    units = [a for a, d in enumerate(shape) if d == 1]
-    if not units or units == [k for k, a in enumerate(perm) if shape[a] == 1]:
-        return None  # no unit axis moves: onnxruntime's fast path already
     out = node.output[0]
     out_shape = [shape[a] for a in perm]
     kept = [a for a in range(len(shape)) if shape[a] != 1]
     moved = [a for a in perm if shape[a] != 1]
-    if moved == sorted(moved):  # only unit axes move: a view
+    if moved == sorted(moved):  # only unit axes move (or none): a view
+        if out_shape == list(shape):
+            return [helper.make_node("Identity", [node.input[0]], [out], name=node.name)]
         return reshape(node.input[0], out_shape, out, taken, node.name)
+    units = [a for a, d in enumerate(shape) if d == 1]
+    if not units or units == [k for k, a in enumerate(perm) if shape[a] == 1]:
+        return None  # no unit axis moves: onnxruntime's fast path already
     squeezed = [shape[a] for a in kept]
     inner = [kept.index(a) for a in moved]
     flat, flipped = _unique(f"{out}/squeezed", taken), _unique(f"{out}/transposed", taken)
@@ -71,3 +77,29 @@ def _squeezed(node, shapes, taken, returned) -> list | None:
         helper.make_node("Transpose", [flat], [flipped], perm=inner),
         *reshape(flipped, out_shape, out, taken, node.name),
     ]
+
+
+def composed_transposes(model: onnx.ModelProto, shapes: dict) -> None:
+    """Each ``Transpose`` of a ``Transpose`` in ``model``'s main graph as one
+    (the inner one stays where another node reads it), then
+    :func:`squeezed_transposes` (in place; ``shapes`` as there)."""
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    for node in graph.node:
+        inner = producer.get(node.input[0]) if node.op_type == "Transpose" else None
+        while inner is not None and inner.op_type == "Identity" and not inner.domain:
+            inner = producer.get(inner.input[0])
+        if inner is None or inner.op_type != "Transpose" or node.domain or inner.domain:
+            continue
+        rank = len(shapes.get(inner.input[0]) or ())
+        first, second = _perm(inner), _perm(node)
+        if not rank or first is None or second is None:  # a reversing default: rare
+            continue
+        perm = [first[a] for a in second]
+        del node.attribute[:]
+        if perm == sorted(perm):
+            node.op_type = "Identity"  # which onnxruntime drops
+        else:
+            node.attribute.append(helper.make_attribute("perm", perm))
+        node.input[0] = inner.input[0]
+    squeezed_transposes(model, shapes)
