@@ -172,7 +172,8 @@ def adapter_parameters(layer) -> dict[str, np.ndarray]:
             params[f"{name}.lora_B"] = (update.B * update.scale).detach().cpu().numpy()
     inits = {i.name: i for i in layer._original.graph.initializer}
     for name in sorted(side_adapters(layer._original)):
-        value = layer.onnx_weight(name).detach().cpu().numpy()
+        value = layer.onnx_weight(name).detach().cpu()
+        value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
         if name.endswith(".lora_B"):  # the branch's scale goes into B, as above
             scale = _branch_scale(inits, name)
             value = value * (numpy_helper.to_array(scale) if scale is not None else 1)

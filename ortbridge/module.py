@@ -130,7 +130,12 @@ class OnnxModule(nn.Module):
         trained) as this dtype, ``torch.float32`` typically, and cast to the
         file's type at each call; the graph still computes in the file's
         precision and ``save()`` writes that. Then torch's ``GradScaler``
-        and mixed-precision recipes apply as to a float16 torch layer.
+        and mixed-precision recipes apply as to a float16 torch layer. A
+        bfloat16 file computes in float32 (onnxruntime's CPU provider has
+        no bfloat16 kernels for most ops); its weights are held as
+        ``torch.bfloat16`` unless ``dtype`` says otherwise, its bfloat16
+        inputs and outputs are taken and returned as such, and ``save()``
+        writes bfloat16.
 
     Examples
     --------
@@ -166,6 +171,9 @@ class OnnxModule(nn.Module):
         original = _prepare.load_model(model)
         prepared = _prepare.normalize(_prepare.load_model(original))
         summary = _prepare.summarize(prepared, original)
+        # A bfloat16 file computes in float32 (normalize): the module holds
+        # its weights in bfloat16 and takes and returns bfloat16 where it does.
+        half_inputs, half_outputs, half_weights = _prepare.bfloat16_names(original)
         self._original = original
         self._summary = summary
         self._batch_norm = batch_norm
@@ -174,12 +182,18 @@ class OnnxModule(nn.Module):
         self._backend = backend
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise OnnxInputError(f"dtype must be a floating torch dtype, got {dtype!r}")
+        if half_weights and dtype is None:
+            dtype = torch.bfloat16
         self._master_dtype = dtype
+        self._bfloat16_io = (
+            [i for i, s in enumerate(summary.inputs) if s.name in half_inputs],
+            [i for i, s in enumerate(summary.outputs) if s.name in half_outputs],
+        )
         chosen = choose_trainable(trainable, summary, prepared)
         self._onnx_names: dict[str, tuple[str, ...]] = {}
         for name, array in summary.float_initializers.items():
             tensor = torch.from_numpy(np.array(array, copy=True))
-            if dtype is not None and tensor.dtype == torch.float16:
+            if dtype is not None and (tensor.dtype == torch.float16 or name in half_weights):
                 tensor = tensor.to(dtype)
             self._register_weight(name, tensor, name in chosen)
         self._weight_names = list(summary.float_initializers)
@@ -329,7 +343,8 @@ class OnnxModule(nn.Module):
         """
         changed = {}
         for name in self._weight_names:
-            value = self.onnx_weight(name).detach().cpu().numpy()
+            value = self.onnx_weight(name).detach().cpu()
+            value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
             if not np.array_equal(value, self._summary.float_initializers[name]):
                 changed[name] = value
         source = self._original if quantized else float_model(self._original)
@@ -342,8 +357,10 @@ class OnnxModule(nn.Module):
     def extra_repr(self) -> str:
         """What ``print(module)`` shows: graph, inputs, outputs, engine, nodes, weights."""
         lines = [f"graph: {self._summary.name!r}, engine: {self._bridge.engine}"]
-        for kind, specs in (("inputs", self._summary.inputs), ("outputs", self._summary.outputs)):
-            shown = ", ".join(f"{s.name} {_spec_str(s)}" for s in specs)
+        halves = self.__dict__.get("_bfloat16_io") or ((), ())
+        listed = (("inputs", self._summary.inputs), ("outputs", self._summary.outputs))
+        for (kind, specs), half in zip(listed, halves):
+            shown = ", ".join(f"{s.name} {_spec_str(s, i in half)}" for i, s in enumerate(specs))
             lines.append(f"{kind}: {shown or 'none'}")
         counts = collections.Counter(node.op_type for node in self._original.graph.node)
         ops = [f"{op} x{n}" for op, n in counts.most_common(_SHOWN_OP_TYPES)]
@@ -402,6 +419,10 @@ class OnnxModule(nn.Module):
     def _run(self, args, kwargs, traced: bool = False):
         specs = self._summary.inputs
         inputs = bind(specs, self._summary.name, args, kwargs)
+        half_inputs, half_outputs = self.__dict__.get("_bfloat16_io") or ((), ())
+        for i in half_inputs:  # the graph computes them in float32
+            if inputs[i].dtype == torch.bfloat16:
+                inputs[i] = inputs[i].float()
         # Traced, the plain lookup: Dynamo reads the cached slots' walrus poorly.
         weights = [self.onnx_weight(n) for n in self._weight_names] if traced else self._weights()
         if self.__dict__.get("_master_dtype") is not None:  # to the file's precision
@@ -426,6 +447,10 @@ class OnnxModule(nn.Module):
             outputs = self.function.apply(self._bridge, mode, *tensors)
         else:
             outputs = self._bridge.run_inference(mode, tensors, device)
+        if half_outputs:
+            outputs = list(outputs)
+            for i in half_outputs:
+                outputs[i] = outputs[i].to(torch.bfloat16)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -496,9 +521,9 @@ def _options_from_state(cls, values):
     return options
 
 
-def _spec_str(spec) -> str:
+def _spec_str(spec, bfloat16: bool = False) -> str:
     try:
-        dtype = str(spec.dtype)
+        dtype = "bfloat16 (computed in float32)" if bfloat16 else str(spec.dtype)
     except (KeyError, TypeError, ValueError):  # not a tensor (a sequence, a map)
         dtype = "?"
     shape = "(unknown shape)" if spec.shape is None else shape_str(spec.shape)

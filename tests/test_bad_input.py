@@ -110,21 +110,6 @@ def test_external_data_given_as_bytes_says_to_pass_the_path(tmp_path):
 # -- graphs onnxruntime cannot load, refused in plain words ----------------------------
 
 
-def test_a_bfloat16_file_is_refused_by_name():
-    """bfloat16 weights: refused in words, naming them (the numpy conversion
-    failed with a TypeError about ml_dtypes before)."""
-    weight = helper.make_tensor("fc.weight", TensorProto.BFLOAT16, [3, 2], [0.5] * 6)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "fc.weight"], ["y"])],
-        "bf16",
-        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [1, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [1, 2])],
-        [weight],
-    )
-    with pytest.raises(OnnxModelError, match="2 bfloat16 tensor.*'fc.weight', 'x'.*float16"):
-        OnnxModule(make_model(graph))
-
-
 def test_unknown_operator_is_named():
     with pytest.raises(
         OnnxModelError, match="op type 'FooBar', which is no ONNX operator at opset 13"

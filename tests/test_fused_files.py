@@ -423,3 +423,96 @@ def test_a_published_float16_file_fine_tunes_and_comes_back_float16(tmp_path):
     layer.save(saved)
     kinds = {i.name: i.data_type for i in onnx.load(path).graph.initializer}
     assert {i.name: i.data_type for i in onnx.load(saved).graph.initializer} == kinds
+
+
+def _bfloat16_net():
+    """A small MLP with a LayerNorm and GELU, in bfloat16, exported by torch's
+    exporter (bfloat16 weights, input and output) and its float32 twin on the
+    same bfloat16-valued weights."""
+    from conftest import export
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3)).eval()
+    half = net.bfloat16()
+    x = torch.randn(4, 6).bfloat16()
+    proto = export(half, (x,))
+    import copy
+
+    return proto, half, copy.deepcopy(half).float(), x
+
+
+def test_a_bfloat16_file_fine_tunes_and_comes_back_bfloat16(tmp_path):
+    """A bfloat16 file computes in float32 on the file's weights: its outputs
+    and gradients are the float32 twin's rounded to bfloat16 (within one
+    rounding), near torch's own bfloat16 layers (which round after every
+    op); the weights are ``torch.bfloat16`` parameters that Adam trains,
+    ``save()`` writes them back as the file's bfloat16 initializers, bit for
+    bit, and the saved file loads to the same module; LoRA trains on it."""
+    proto, half, twin, x = _bfloat16_net()
+    assert {i.data_type for i in proto.graph.initializer} == {onnx.TensorProto.BFLOAT16}
+    layer = OnnxModule(proto)
+    params = dict(layer.named_onnx_parameters())
+    assert len(params) == 6 and {p.dtype for p in params.values()} == {torch.bfloat16}
+    assert "bfloat16" in repr(layer)
+    y = layer(x)
+    expected = twin(x.float())
+    assert y.dtype == torch.bfloat16
+    # One bfloat16 rounding of the float32 result: 2^-8 of its magnitude.
+    torch.testing.assert_close(y.float(), expected, rtol=2**-8, atol=scaled_atol(1e-6, expected))
+    torch.testing.assert_close(y.float(), half(x).float(), rtol=0.05, atol=0.05)
+    # The output's gradient is bfloat16 as the output is: the twin's the same values.
+    weights = torch.linspace(-1, 1, y.numel()).reshape(y.shape).bfloat16().float()
+    (y.float() * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for (name, p), (_, q) in zip(params.items(), twin.named_parameters()):
+        assert p.grad.dtype == torch.bfloat16, name
+        bound = scaled_atol(1e-6, q.grad)
+        torch.testing.assert_close(p.grad.float(), q.grad, rtol=2**-8, atol=bound, msg=name)
+    layer.zero_grad()
+    target = torch.randn(4, 3)
+    assert_adam_lowers(layer.parameters(), lambda: ((layer(x).float() - target) ** 2).mean())
+    saved = tmp_path / "tuned.onnx"
+    layer.save(saved)
+    written = {i.name: i for i in onnx.load(saved).graph.initializer}
+    for name, p in params.items():
+        assert written[name].data_type == onnx.TensorProto.BFLOAT16, name
+        value = torch.from_numpy(onnx.numpy_helper.to_array(written[name]).astype(np.float32))
+        assert torch.equal(value, p.detach().float()), name
+    again = OnnxModule(str(saved))
+    torch.testing.assert_close(again(x), layer(x), rtol=0, atol=0)
+    # LoRA on the bfloat16 file: adapters beside the frozen weights, merged on save.
+    lora(again, rank=2)
+    adapters = [p for p in again.parameters() if p.requires_grad]
+    assert adapters and all(p.dtype == torch.bfloat16 for p in adapters)
+    assert_adam_lowers(adapters, lambda: ((again(x).float() - target) ** 2).mean())
+    merged = {i.name: i.data_type for i in again.to_onnx().graph.initializer}
+    assert merged == {name: onnx.TensorProto.BFLOAT16 for name in params}
+
+
+def test_float32_master_weights_of_a_bfloat16_file(tmp_path):
+    """``dtype=torch.float32``: the bfloat16 file's weights held and trained in
+    float32 (at step 0 the same values, so the same outputs and gradients as
+    the bfloat16-held module's, before their rounding); saved rounded to
+    the nearest bfloat16; the file's other forms (a bfloat16 input, a
+    float32 input given instead) are taken."""
+    proto, _, _, x = _bfloat16_net()
+    held, master = OnnxModule(proto), OnnxModule(proto, dtype=torch.float32)
+    params = dict(master.named_onnx_parameters())
+    assert {p.dtype for p in params.values()} == {torch.float32}
+    torch.testing.assert_close(master(x), held(x), rtol=0, atol=0)
+    torch.testing.assert_close(master(x.float()), held(x), rtol=0, atol=0)
+    out = master(x)
+    (out.float() ** 2).sum().backward()
+    (held(x).float() ** 2).sum().backward()
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad.bfloat16(), held.onnx_weight(name).grad, rtol=0, atol=0)
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(1e-3)  # off the bfloat16 grid
+    saved = tmp_path / "master.onnx"
+    master.save(saved)
+    written = {i.name: i for i in onnx.load(saved).graph.initializer}
+    for name, p in params.items():
+        value = torch.from_numpy(onnx.numpy_helper.to_array(written[name]).astype(np.float32))
+        assert torch.equal(value, p.detach().bfloat16().float()), name

@@ -54,6 +54,7 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
     wrong_shapes = []
     prepared = _prepare.normalize(_prepare.load_model(model), wrong_shapes=wrong_shapes)
     summary = _prepare.summarize(prepared, model)
+    half_inputs, half_outputs, half_weights = _prepare.bfloat16_names(model)
     info = {
         "model": str(path),
         "graph": summary.name,
@@ -62,7 +63,7 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
         "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
         "nodes": len(model.graph.node),
         "op_types": dict(_op_types(model).most_common()),
-        "rewrites": _rewrites(model, prepared),
+        "rewrites": {**_rewrites(model, prepared), "bfloat16_weights": len(half_weights)},
         # Declarations the graph contradicts, replaced by what it computes.
         "wrong_shapes": [
             {
@@ -73,8 +74,8 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
             }
             for w in wrong_shapes
         ],
-        "inputs": [_spec(s) for s in summary.inputs],
-        "outputs": [_spec(s) for s in summary.outputs],
+        "inputs": [_spec(s, s.name in half_inputs) for s in summary.inputs],
+        "outputs": [_spec(s, s.name in half_outputs) for s in summary.outputs],
     }
     try:
         module = OnnxModule(model, backend=backend)
@@ -99,7 +100,7 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
             "name": name,
             "trainable": name in trainable,
             "from_constant": name in summary.from_constants,
-            "dtype": str(array.dtype),
+            "dtype": "bfloat16" if name in half_weights else str(array.dtype),
             "shape": list(array.shape),
             "size": int(array.size),
         }
@@ -307,6 +308,11 @@ def _rewrite_lines(rewrites: dict) -> list[str]:
         lines.append(f"optional outputs named: {_counts(rewrites['outputs_named'])}")
     if rewrites["nodes_named"]:
         lines.append(f"unnamed nodes named: {rewrites['nodes_named']}")
+    if n := rewrites.get("bfloat16_weights"):
+        lines.append(
+            f"bfloat16 computed in float32 ({n} weight{'s' * (n != 1)}; onnxruntime's CPU "
+            "provider has no bfloat16 kernels for most ops)"
+        )
     return lines
 
 
@@ -325,9 +331,9 @@ def _json_safe(value):
     return value
 
 
-def _spec(spec) -> dict:
+def _spec(spec, bfloat16: bool = False) -> dict:
     try:
-        dtype = str(spec.dtype)
+        dtype = "bfloat16" if bfloat16 else str(spec.dtype)
     except (KeyError, TypeError, ValueError):  # not a tensor (a sequence, a map)
         dtype = "?"
     shape = None if spec.shape is None else list(spec.shape)

@@ -14,6 +14,7 @@ What a call alone can tell (ranks, If/Loop conditions) is decided by
 """
 
 from ._batch_norm import batch_norm_nodes, values_per_channel
+from ._exporter_forms import bfloat16_names
 from ._load import load_model, summarize
 from ._normalize import normalize
 from ._variants import (
@@ -29,6 +30,7 @@ __all__ = [
     "EVAL",
     "TRAIN",
     "batch_norm_nodes",
+    "bfloat16_names",
     "load_model",
     "make_variant",
     "normalize",

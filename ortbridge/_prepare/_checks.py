@@ -65,7 +65,6 @@ def check_runnable(model: onnx.ModelProto) -> None:
             f"graph output(s) {missing} are computed by no node and are neither inputs nor "
             "initializers of the graph"
         )
-    _no_bfloat16(graph)
     fit_to_runtime(model)
     opsets = {o.domain or "": o.version for o in model.opset_import}
     opset = opsets.get("", opsets.get("ai.onnx"))
@@ -79,23 +78,6 @@ def check_runnable(model: onnx.ModelProto) -> None:
                 f"ONNX operator at opset {opset}: check the spelling, or the opset the model "
                 "imports"
             )
-
-
-def _no_bfloat16(graph: onnx.GraphProto) -> None:
-    """Refuse a graph holding bfloat16 weights or inputs, by name: onnxruntime's
-    CPU provider has no bfloat16 kernel for MatMul, Add or Tanh (1.19 and 1.31),
-    and ortbridge does not hand bfloat16 weights to torch yet."""
-    bf16 = onnx.TensorProto.BFLOAT16
-    held = [i.name for i in graph.initializer if i.data_type == bf16]
-    held += [v.name for v in graph.input if v.type.tensor_type.elem_type == bf16]
-    if held:
-        shown = ", ".join(repr(n) for n in held[:3]) + (", ..." if len(held) > 3 else "")
-        raise OnnxModelError(
-            f"graph {graph.name!r} holds {len(held)} bfloat16 tensor(s) ({shown}): bfloat16 "
-            "files are not supported yet (onnxruntime's CPU provider has no bfloat16 kernels "
-            "for most ops): load a float32 or float16 export of the model instead (float16: "
-            "onnxconverter-common's convert_float_to_float16 on the float32 file)"
-        )
 
 
 #: Kernels onnxruntime registers in the ONNX domain that ONNX does not define

@@ -20,14 +20,26 @@ model (the last, a declared rank, where it infers the model's shapes):
   shape does not load. Every declaration (sizes, intermediate tensors,
   bodies) is checked first by :mod:`._declared_shapes`; this is what keeps
   the outputs' shapes out of the inference normalisation reads.
+- bfloat16 (:func:`bfloat16_as_float32`): onnxruntime's CPU provider has
+  no bfloat16 kernel for MatMul, Add or Tanh (1.19 and 1.31), so the graph
+  computes in float32: every bfloat16 tensor, initializer, constant and
+  cast becomes float32 (each bfloat16 value is a float32 value: the
+  weights are the same). Rounding to bfloat16 after each node is not
+  reproduced; the module holds the file's bfloat16 weights, takes and
+  returns bfloat16 where the file does, and saves bfloat16
+  (:func:`bfloat16_names` says where).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from ..exceptions import NotDifferentiableError
-from ._onnx_utils import node_reads
+from ._onnx_utils import all_graphs, node_reads
+
+_BF16, _FLOAT = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
 
 #: dim_params that mean "unknown", not a name shared by the axes that carry it.
 UNKNOWN_DIM_NAMES = frozenset({"", "?"})
@@ -130,3 +142,49 @@ def outputs_as_computed(graph: onnx.GraphProto, declared: dict, shapes: dict) ->
         else:
             shapes[value.name] = dims
         value.type.tensor_type.shape.CopyFrom(shape)
+
+
+def bfloat16_names(model: onnx.ModelProto) -> tuple[set[str], set[str], set[str]]:
+    """The graph inputs, graph outputs and initializers ``model`` declares bfloat16."""
+    graph = model.graph
+
+    def half(values):
+        return {v.name for v in values if v.type.tensor_type.elem_type == _BF16}
+
+    weights = {i.name for g in all_graphs(graph) for i in g.initializer if i.data_type == _BF16}
+    for g in all_graphs(graph):  # weights the file holds in Constant nodes
+        weights.update(
+            n.output[0]
+            for n in g.node
+            if n.op_type == "Constant" and n.attribute and n.attribute[0].t.data_type == _BF16
+        )
+    return half(graph.input), half(graph.output), weights
+
+
+def bfloat16_as_float32(model: onnx.ModelProto) -> bool:
+    """Rewrite ``model``'s bfloat16 tensors, types and casts as float32, in
+    place (see above); whether it held any."""
+    found = False
+    for graph in all_graphs(model.graph):
+        for value in [*graph.input, *graph.output, *graph.value_info]:
+            if value.type.tensor_type.elem_type == _BF16:
+                value.type.tensor_type.elem_type = _FLOAT
+                found = True
+        for init in graph.initializer:
+            found |= _as_float(init)
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.TENSOR:
+                    found |= _as_float(attr.t)
+                elif attr.type == onnx.AttributeProto.INT and attr.name in ("to", "dtype"):
+                    if attr.i == _BF16:
+                        attr.i, found = _FLOAT, True
+    return found
+
+
+def _as_float(tensor: onnx.TensorProto) -> bool:
+    if tensor.data_type != _BF16:
+        return False
+    value = numpy_helper.to_array(tensor).astype(np.float32)
+    tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
+    return True

@@ -15,7 +15,12 @@ from ..exceptions import OnnxModelError
 from . import _activations
 from ._checks import check_runnable
 from ._declared_shapes import declarations_as_computed
-from ._exporter_forms import detach_output_shapes, older_forms_rewritten, outputs_as_computed
+from ._exporter_forms import (
+    bfloat16_as_float32,
+    detach_output_shapes,
+    older_forms_rewritten,
+    outputs_as_computed,
+)
 from ._lookup import _all_names, _infer, _unique
 from ._onnx_utils import FLOAT_TYPES, np_dtype
 from ._sequences import sequences_as_tensors
@@ -26,7 +31,9 @@ from .quantized import lift_quantized_weights
 def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.ModelProto:
     """Rewrite nodes onnxruntime's gradient builder refuses into equivalent ones.
 
-    The model is first checked (:func:`._checks.check_runnable`): what
+    A bfloat16 graph computes in float32 (:func:`._exporter_forms.bfloat16_as_float32`:
+    onnxruntime's CPU provider has no bfloat16 kernels for most ops). The
+    model is then checked (:func:`._checks.check_runnable`): what
     onnxruntime could not load is refused in plain words. Weights and running
     statistics held in ``Constant`` nodes become initializers next
     (:func:`._weights.lift_constant_weights`), before any rewrite below
@@ -71,6 +78,7 @@ def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.
       ``wrong_shapes``, a list, gets what was replaced
       (:class:`._declared_shapes.WrongShape`).
     """
+    bfloat16_as_float32(model)
     check_runnable(model)
     lift_constant_weights(model)
     older_forms_rewritten(model)

@@ -318,3 +318,24 @@ def test_inspect_json_of_a_missing_file(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "does not exist" in json.loads(captured.out)["error"]
     assert "does not exist" in captured.err
+
+
+def test_inspect_says_a_bfloat16_file_computes_in_float32(tmp_path, capsys):
+    """The file's bfloat16 inputs, outputs and weights shown as such, and the
+    float32 computation listed among the rewrites."""
+    weight = helper.make_tensor("fc.weight", TensorProto.BFLOAT16, [3, 2], [0.5] * 6)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "fc.weight"], ["y"])],
+        "bf16",
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["n", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["n", 2])],
+        [weight],
+    )
+    path = tmp_path / "bf16.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "  x: bfloat16 (n, 3)\n" in text and "  y: bfloat16 (n, 2)\n" in text
+    assert "  bfloat16 computed in float32 (1 weight;" in text
+    assert "  fc.weight: trainable bfloat16 (3, 2)" in text
+    assert "training: a gradient graph can be built" in text
