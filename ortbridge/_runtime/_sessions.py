@@ -243,22 +243,26 @@ def make_session(
     return session
 
 
-def _session(model, device, session_options, providers, spin_within_runs=False, threads=None):
+def _session(
+    model, device, session_options, providers, spin_within_runs=False, threads=None, off=()
+):
     """An engine's session, and the pinning of its workers (None: left to the system).
 
     ``model`` is a ModelProto or its bytes. Only sessions with ortbridge's own
     options on the CPU are pinned: options given by the user are theirs to tune.
     ``spin_within_runs``, ``threads``: see :func:`default_session_options`
-    (``threads`` applies to ortbridge's own options only).
+    (``threads`` applies to ortbridge's own options only). ``off``: more of
+    onnxruntime's optimisers kept off, by name (a layout the caller knows
+    its graph runs slower in).
     """
     ort = _ort.runtime()
     graph = model if isinstance(model, onnx.ModelProto) else None
     if graph is not None:
-        disabled = guarded_optimizers(graph) + idle_optimizers(graph)
+        disabled = guarded_optimizers(graph) + idle_optimizers(graph) + list(off)
         basic = _needs_basic_level(graph)
         model = graph.SerializeToString()  # once, for every try below
     else:
-        disabled, basic = [], False
+        disabled, basic = list(off), False
 
     def create(options, own=True):
         if basic and own:  # a user's options are theirs: never changed

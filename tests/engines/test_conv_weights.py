@@ -437,3 +437,53 @@ def test_depthwise_weight_gradient_under_auto_pad_matches_finite_differences(no_
     assert report, report
     (graph,) = _backward_graphs(module)
     assert any("depthwise_w" in n.name for n in graph.node)
+
+
+def _profiled_ops(monkeypatch, tmp_path, nchwc: bool) -> set[str]:
+    """The op types onnxruntime ran in a depthwise Conv's gradient sessions."""
+    import glob
+    import json
+    import os
+
+    from conftest import export
+
+    from ortbridge._engines.onnxruntime import _engine
+    from ortbridge._runtime import _ort
+
+    if nchwc:  # every optimiser on, as before
+        real = _engine._session
+        monkeypatch.setattr(_engine, "_session", lambda *a, off=(), **k: real(*a, **k))
+    tmp_path.mkdir()
+    options = _ort.runtime().SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = os.path.join(tmp_path, "ort")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.ReLU()).eval()
+    x = torch.randn(2, 16, 12, 40)
+    layer = OnnxModule(export(net, (x,)), backend="onnxruntime", session_options=options)
+    layer.eval()(x).sum().backward()
+    for graph in layer._bridge._gradient_graphs.values():
+        for session in graph.sessions:
+            session.end_profiling()
+    ops = set()
+    for path in glob.glob(os.path.join(tmp_path, "*.json")):
+        with open(path) as f:
+            ops.update(e["args"].get("op_name") for e in json.load(f) if e.get("cat") == "Node")
+    return ops
+
+
+def test_a_backward_runs_its_depthwise_gathers_without_the_nchwc_layout(monkeypatch, tmp_path):
+    """onnxruntime lays a Conv of constant weights out in NCHWc blocks: in a
+    backward, the one-hot gather of a depthwise weight gradient (9 taps padded
+    to 16 channels and reordered back: 24 ms of PP-OCRv6's recogniser's step
+    at batch 8). The backward sessions keep that layout off."""
+    if "onnxruntime" not in ENGINES:
+        pytest.skip("onnx-ad is not installed")
+    before = _profiled_ops(monkeypatch, tmp_path / "before", nchwc=True)
+    if not before & {"ReorderInput", "ReorderOutput"}:
+        pytest.skip("this CPU's onnxruntime lays out no NCHWc blocks here")
+    monkeypatch.undo()
+    assert not _profiled_ops(monkeypatch, tmp_path / "now", nchwc=False) & {
+        "ReorderInput",
+        "ReorderOutput",
+    }

@@ -457,3 +457,85 @@ def test_a_transpose_of_a_transpose_is_one_and_undoing_ones_are_none():
     assert by_output["moved"].op_type == "Transpose" and by_output["moved"].input[0] == "x"
     assert by_output["units"].op_type in ("Identity", "Reshape")
     assert by_output["units"].input[0] == "u"
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_a_softmax_over_an_inner_axis_runs_as_its_reductions(opset):
+    """onnxruntime's Softmax and LogSoftmax over an axis other than the last
+    transpose around their kernel: the forward graph computes them as a max,
+    an exp and a sum instead (the last axis keeps the kernel); the values
+    stay, at both spellings of ReduceMax's axes."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from ortbridge._engines.onnxruntime.passes._softmax_axes import softmax_reductions
+    from ortbridge._prepare._onnx_utils import make_model
+    from ortbridge._runtime._ort import runtime
+
+    nodes = [
+        helper.make_node("Softmax", ["x"], ["inner"], axis=1),
+        helper.make_node("LogSoftmax", ["x"], ["log_inner"], axis=-2),
+        helper.make_node("Softmax", ["x"], ["last"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16, 3, 5])],
+        [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+            for n in ("inner", "log_inner", "last")
+        ],
+    )
+    model = make_model(graph, opset=opset)
+    x = {"x": np.random.default_rng(0).standard_normal((2, 16, 3, 5)).astype(np.float32) * 4}
+
+    def run(m):
+        cpu = ["CPUExecutionProvider"]
+        return runtime().InferenceSession(m.SerializeToString(), providers=cpu).run(None, x)
+
+    before = run(model)
+    shapes = {}
+    softmax_reductions(model, shapes)
+    for a, b in zip(before, run(model)):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * np.abs(a).max())
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Softmax") == 1 and "LogSoftmax" not in ops  # the last axis kept
+    assert ops.count("ReduceMax") == 2 and ops.count("Exp") == 2
+    assert all(len(shapes[n.output[0]]) == 4 for n in model.graph.node if n.op_type == "Exp")
+
+
+def test_a_model_with_an_inner_softmax_trains_as_torch():
+    """End to end (YOLOv8's DFL form: a softmax over the channels): no Softmax
+    node runs in the forward graph, and outputs and gradients are torch's."""
+    import torch
+    from conftest import ENGINES, export
+    from torch import nn
+
+    from ortbridge import OnnxModule
+
+    if "onnxruntime" not in ENGINES:
+        pytest.skip("onnx-ad is not installed")
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 16, 1)
+
+        def forward(self, x):
+            return torch.softmax(self.conv(x), dim=1) * torch.arange(16.0).reshape(1, 16, 1, 1)
+
+    torch.manual_seed(0)
+    head = Head().eval()
+    x = torch.randn(2, 3, 4, 5)
+    layer = OnnxModule(export(head, (x,)), backend="onnxruntime").eval()
+    weights = torch.randn(2, 16, 4, 5)
+    (layer(x) * weights).sum().backward()
+    (head(x) * weights).sum().backward()
+    torch.testing.assert_close(layer(x), head(x), rtol=1e-5, atol=1e-6)
+    for name, p in layer.named_onnx_parameters():
+        torch.testing.assert_close(
+            p.grad, dict(head.named_parameters())[name].grad, rtol=1e-4, atol=1e-6
+        )
+    ran = [b for g in layer._bridge._gradient_graphs.values() for b in g._in_use()]
+    ops = {n.op_type for built in ran for n in built.split.forward.graph.node}
+    assert ran and "Softmax" not in ops and "ReduceMax" in ops

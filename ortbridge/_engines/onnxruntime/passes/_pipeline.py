@@ -40,6 +40,7 @@ from ._scalar_operands import full_rank_scalars
 from ._scatter_sums import concat_scatter_sums, half_scatters_in_float
 from ._short_broadcasts import spread_short_broadcasts
 from ._simplify import collapse_views, merge_reshapes, simplify
+from ._softmax_axes import softmax_reductions
 from ._weight_products import weight_products
 from .scan._hoist import hoisted_step_work
 from .scan._outputs import scan_outputs_without_copies
@@ -188,6 +189,9 @@ PASSES: tuple[Pass, ...] = (
     # passes above left unread goes); transposes that move a unit axis first,
     # after the passes above that read onnx-ad's Transposes.
     Pass("unit axes out of transposes, views collapsed", BACKWARD, True, _views_collapsed),
+    # The forward's thread choice reads the shapes of the nodes this adds.
+    Pass("a softmax over an inner axis as its reductions", BACKWARD, True,
+         lambda g: softmax_reductions(g.forward, g.forward_shapes)),
     # Products in loop bodies, once their views have collapsed.
     Pass("Scan products with outside weights", BACKWARD, True, _scan_products),
     Pass("adjoints without the seed axis", BACKWARD, True, _unseeded),
