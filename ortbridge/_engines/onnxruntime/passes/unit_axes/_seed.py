@@ -175,6 +175,7 @@ class _Rewrite:
             elif held is not None and held[1] == len(operand) - 1:
                 inputs.append(held[0])
             elif all(d == 1 for d in operand) and len(operand) < rank:
+                self._restore(name)  # its twin lacks another axis: read as it was
                 inputs.append(name)  # broadcast over every axis either way
             else:
                 return None
