@@ -25,6 +25,7 @@ import torch
 from onnx import helper, numpy_helper
 from torch.nn.utils import parametrize
 
+from ._module_weights import weight_array
 from ._prepare import with_weights
 from ._prepare.quantized import quantized_weights
 from ._runtime import _ort
@@ -172,8 +173,7 @@ def adapter_parameters(layer) -> dict[str, np.ndarray]:
             params[f"{name}.lora_B"] = (update.B * update.scale).detach().cpu().numpy()
     inits = {i.name: i for i in layer._original.graph.initializer}
     for name in sorted(side_adapters(layer._original)):
-        value = layer.onnx_weight(name).detach().cpu()
-        value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+        value = weight_array(layer.onnx_weight(name))
         if name.endswith(".lora_B"):  # the branch's scale goes into B, as above
             scale = _branch_scale(inits, name)
             value = value * (numpy_helper.to_array(scale) if scale is not None else 1)

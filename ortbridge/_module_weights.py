@@ -9,6 +9,7 @@ it) print the weights they hold with :func:`weights_repr`.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -110,6 +111,13 @@ def fetch(owner: nn.Module, attr: str) -> torch.Tensor:
     if tensor is None:
         tensor = owner._buffers.get(attr)
     return tensor if tensor is not None else getattr(owner, attr)
+
+
+def weight_array(tensor: torch.Tensor) -> np.ndarray:
+    """A weight's value as numpy holds it: bfloat16 (which numpy has no type
+    for) as its float32 values, which the file's initializer rounds back."""
+    value = tensor.detach().cpu()
+    return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
 
 
 def weights_repr(module: nn.Module) -> str:

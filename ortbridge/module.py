@@ -34,7 +34,13 @@ from ._call_checks import (
     torch_dtype,
 )
 from ._function import function_name, make_function
-from ._module_weights import attribute_path, choose_trainable, fetch, weights_repr
+from ._module_weights import (
+    attribute_path,
+    choose_trainable,
+    fetch,
+    weight_array,
+    weights_repr,
+)
 from ._prepare._call_ranks import CallShapesNeeded
 from ._prepare._onnx_utils import ancestors, node_reads
 from ._prepare.quantized import float_model
@@ -343,8 +349,7 @@ class OnnxModule(nn.Module):
         """
         changed = {}
         for name in self._weight_names:
-            value = self.onnx_weight(name).detach().cpu()
-            value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+            value = weight_array(self.onnx_weight(name))
             if not np.array_equal(value, self._summary.float_initializers[name]):
                 changed[name] = value
         source = self._original if quantized else float_model(self._original)

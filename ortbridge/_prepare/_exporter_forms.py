@@ -161,30 +161,25 @@ def bfloat16_names(model: onnx.ModelProto) -> tuple[set[str], set[str], set[str]
     return half(graph.input), half(graph.output), weights
 
 
-def bfloat16_as_float32(model: onnx.ModelProto) -> bool:
+def bfloat16_as_float32(model: onnx.ModelProto) -> None:
     """Rewrite ``model``'s bfloat16 tensors, types and casts as float32, in
-    place (see above); whether it held any."""
-    found = False
+    place (see above)."""
     for graph in all_graphs(model.graph):
         for value in [*graph.input, *graph.output, *graph.value_info]:
             if value.type.tensor_type.elem_type == _BF16:
                 value.type.tensor_type.elem_type = _FLOAT
-                found = True
         for init in graph.initializer:
-            found |= _as_float(init)
+            _as_float(init)
         for node in graph.node:
             for attr in node.attribute:
                 if attr.type == onnx.AttributeProto.TENSOR:
-                    found |= _as_float(attr.t)
+                    _as_float(attr.t)
                 elif attr.type == onnx.AttributeProto.INT and attr.name in ("to", "dtype"):
                     if attr.i == _BF16:
-                        attr.i, found = _FLOAT, True
-    return found
+                        attr.i = _FLOAT
 
 
-def _as_float(tensor: onnx.TensorProto) -> bool:
-    if tensor.data_type != _BF16:
-        return False
-    value = numpy_helper.to_array(tensor).astype(np.float32)
-    tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
-    return True
+def _as_float(tensor: onnx.TensorProto) -> None:
+    if tensor.data_type == _BF16:
+        value = numpy_helper.to_array(tensor).astype(np.float32)
+        tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))

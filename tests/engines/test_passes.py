@@ -309,6 +309,14 @@ def test_a_row_of_ones_times_a_matrix_becomes_a_vector_product_only_for_a_matrix
     assert (product.output[0] == "y") == vector
 
 
+def _run(model, feeds) -> list:
+    """``model``'s outputs on ``feeds`` in plain onnxruntime (CPU)."""
+    from ortbridge._runtime._ort import runtime
+
+    cpu = ["CPUExecutionProvider"]
+    return runtime().InferenceSession(model.SerializeToString(), providers=cpu).run(None, feeds)
+
+
 def _seeded_backward():
     """A graph in the form onnx-ad's reverse writes, with every form the seed
     axis's removal reads: seeds and primal values given a unit axis last, an
@@ -330,6 +338,7 @@ def _seeded_backward():
         const("s4", [2, 3, 4, 1]), const("s31", [3, 1, 1]), const("first", [1, 2, 3, 4]),
         const("back", [2, 3, 5, 1]), const("col", [3, 1]), const("row", [1, 3]),
         const("ax1", [1]), const("ax13", [1, 3]), const("ones", np.ones((1, 1)), np.float32),
+        const("s11", [1, 1]),
         helper.make_node("Reshape", ["adj", "s4"], ["seed"]),
         helper.make_node("Reshape", ["p", "s4"], ["p_unit"]),
         helper.make_node("Reshape", ["v", "s31"], ["v_unit"]),  # a reshape either way
@@ -351,10 +360,14 @@ def _seeded_backward():
         helper.make_node("MatMul", ["unit_row", "q2"], ["by_row"]),
         helper.make_node("Concat", ["m2", "m2"], ["both"], axis=0),
         helper.make_node("Softmax", ["prod_back"], ["soft"], axis=2),
+        # An all-ones operand whose twin lacks its first axis: read as it was.
+        helper.make_node("Reshape", ["adj3", "s11"], ["one_unit"]),
+        helper.make_node("Transpose", ["one_unit"], ["one_t"], perm=[1, 0]),
+        helper.make_node("Mul", ["m", "one_t"], ["m_one"]),
     ]  # fmt: skip
     shapes = {"adj": [2, 3, 4], "p": [2, 3, 4], "v": [3], "w": [4, 5], "adj2": [3]}
-    shapes.update({"qt": [3, 5], "q2": [3, 4]})
-    outputs = ["kept", "dropped", "plain", "by_column", "by_row", "both", "soft"]
+    shapes.update({"qt": [3, 5], "q2": [3, 4], "adj3": [1]})
+    outputs = ["kept", "dropped", "plain", "by_column", "by_row", "both", "soft", "m_one"]
     graph = helper.make_graph(
         nodes,
         "seeded",
@@ -375,19 +388,12 @@ def test_the_seed_axis_goes_from_every_form_and_the_values_stay():
 
     from ortbridge._engines.onnxruntime.passes._optimize import facts
     from ortbridge._engines.onnxruntime.passes.unit_axes._seed import without_seed_axis
-    from ortbridge._runtime._ort import runtime
 
     model, feeds = _seeded_backward()
 
-    def run(m):
-        session = runtime().InferenceSession(
-            m.SerializeToString(), providers=["CPUExecutionProvider"]
-        )
-        return session.run(None, feeds)
-
-    before = run(model)
+    before = _run(model, feeds)
     without_seed_axis(model, facts(model))
-    after = run(model)
+    after = _run(model, feeds)
     for name, a, b in zip([o.name for o in model.graph.output], before, after):
         assert a.shape == b.shape, name
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * np.abs(a).max(), err_msg=name)
@@ -419,7 +425,6 @@ def test_a_transpose_of_a_transpose_is_one_and_undoing_ones_are_none():
     from ortbridge._engines.onnxruntime.passes._optimize import facts
     from ortbridge._engines.onnxruntime.passes.unit_axes._transposes import composed_transposes
     from ortbridge._prepare._onnx_utils import make_model
-    from ortbridge._runtime._ort import runtime
 
     nodes = [
         helper.make_node("Transpose", ["x"], ["a"], perm=[1, 0, 2, 3]),
@@ -444,13 +449,9 @@ def test_a_transpose_of_a_transpose_is_one_and_undoing_ones_are_none():
     rng = np.random.default_rng(0)
     feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
 
-    def run(m):
-        cpu = ["CPUExecutionProvider"]
-        return runtime().InferenceSession(m.SerializeToString(), providers=cpu).run(None, feeds)
-
-    before = run(model)
+    before = _run(model, feeds)
     composed_transposes(model, facts(model).shapes)
-    for a, b in zip(before, run(model)):
+    for a, b in zip(before, _run(model, feeds)):
         np.testing.assert_array_equal(a, b)
     by_output = {n.output[0]: n for n in model.graph.node}
     assert by_output["undone"].op_type == "Identity" and by_output["undone"].input[0] == "x"
@@ -470,7 +471,6 @@ def test_a_softmax_over_an_inner_axis_runs_as_its_reductions(opset):
 
     from ortbridge._engines.onnxruntime.passes._softmax_axes import softmax_reductions
     from ortbridge._prepare._onnx_utils import make_model
-    from ortbridge._runtime._ort import runtime
 
     nodes = [
         helper.make_node("Softmax", ["x"], ["inner"], axis=1),
@@ -489,14 +489,10 @@ def test_a_softmax_over_an_inner_axis_runs_as_its_reductions(opset):
     model = make_model(graph, opset=opset)
     x = {"x": np.random.default_rng(0).standard_normal((2, 16, 3, 5)).astype(np.float32) * 4}
 
-    def run(m):
-        cpu = ["CPUExecutionProvider"]
-        return runtime().InferenceSession(m.SerializeToString(), providers=cpu).run(None, x)
-
-    before = run(model)
+    before = _run(model, x)
     shapes = {}
     softmax_reductions(model, shapes)
-    for a, b in zip(before, run(model)):
+    for a, b in zip(before, _run(model, x)):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * np.abs(a).max())
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("Softmax") == 1 and "LogSoftmax" not in ops  # the last axis kept

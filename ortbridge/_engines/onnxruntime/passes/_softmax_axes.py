@@ -32,6 +32,10 @@ def softmax_reductions(model: onnx.ModelProto, shapes: dict | None) -> None:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < 13 or not any(n.op_type in _SOFTMAX for n in graph.node):
         return
+    # Most softmaxes are over the last axis (attention's): the types, one
+    # inference of the whole forward, only where the known ranks leave another.
+    if shapes is not None and not any(_maybe_inner(n, shapes) for n in graph.node):
+        return
     inferred = _inferred(model)
     if inferred is None:
         return
@@ -43,17 +47,30 @@ def softmax_reductions(model: onnx.ModelProto, shapes: dict | None) -> None:
         shapes.update(added)
 
 
-def _reduced(node, shapes, types, taken, opset, added) -> list | None:
+def _inner(node, shapes) -> int | None:
+    """The axis a softmax ``node`` normalises over where it is not its input's
+    last (None: the last, the kernel's own fast path, or unknown)."""
     if node.op_type not in _SOFTMAX or node.domain not in ("", "ai.onnx"):
         return None
+    shape = shapes.get(node.input[0])
+    if not shape:
+        return None
+    axis = next((a.i for a in node.attribute if a.name == "axis"), -1) % len(shape)
+    return None if axis == len(shape) - 1 else axis
+
+
+def _maybe_inner(node, shapes) -> bool:
+    """Whether softmax ``node``'s axis is not its input's last, or its rank unknown."""
+    is_softmax = node.op_type in _SOFTMAX and node.domain in ("", "ai.onnx")
+    return is_softmax and (not shapes.get(node.input[0]) or _inner(node, shapes) is not None)
+
+
+def _reduced(node, shapes, types, taken, opset, added) -> list | None:
+    axis = _inner(node, shapes)
+    if axis is None or types.get(node.input[0]) not in _FLOATS:
+        return None
     x, out = node.input[0], node.output[0]
-    shape = shapes.get(x)
-    if not shape or types.get(x) not in _FLOATS:
-        return None
-    rank = len(shape)
-    axis = next((a.i for a in node.attribute if a.name == "axis"), -1) % rank
-    if axis == rank - 1:  # the kernel's own fast path
-        return None
+    shape = shapes[x]
     name = {k: _unique(f"{out}/{k}", taken) for k in ("axes", "max", "shifted", "exp", "sum")}
     kept = tuple(1 if i == axis else d for i, d in enumerate(shape))
     added.update({name["max"]: kept, name["sum"]: kept})
