@@ -127,7 +127,7 @@ def _reference(net: _Recurrent, model: onnx.ModelProto) -> _Recurrent:
     return twin
 
 
-_TRAINED = ["forward", "forward-per-channel", "bidirectional"]
+_TRAINED = list(_CASES)
 
 
 @pytest.mark.parametrize("case", _TRAINED)
@@ -203,16 +203,20 @@ def test_a_few_steps_lower_a_loss_and_the_file_comes_back_int8(files, case, tmp_
     assert_eval_runs_as_file(layer, args, saved, feeds)
 
 
-def test_inspect_says_how_the_lstm_trains(files, capsys):
+@pytest.mark.parametrize(
+    "case, per", [("forward-per-channel", "axis 2"), ("bidirectional-per-channel", "axes 0 and 2")]
+)
+def test_inspect_says_how_the_lstm_trains(files, capsys, case, per):
     from ortbridge.__main__ import main
 
-    path, _ = files["forward-per-channel"]
+    path, _ = files[case]
     main(["inspect", path])
     text = capsys.readouterr().out
     weights = [_lstm_node(onnx.load(path)).input[s] for s in (1, 2)]
     for name in weights:
         line = next(x for x in text.splitlines() if x.strip().startswith(f"{name}: int8"))
-        assert "per axis 2" in line and "as ONNX's LSTM of the dequantized weights" in line, line
+        assert f"per {per}," in line, line
+        assert "as ONNX's LSTM of the dequantized weights" in line, line
 
 
 def test_the_float_model_goes_out_as_onnx_lstm(files, tmp_path):
@@ -231,11 +235,18 @@ def test_the_float_model_goes_out_as_onnx_lstm(files, tmp_path):
         np.testing.assert_allclose(a.numpy(), b, rtol=1e-5, atol=scaled_atol(1e-6, b))
 
 
-def test_a_bidirectional_lstm_scaled_per_channel_is_frozen_by_name(files):
-    """One scale a direction and gate channel is no scale per axis: the weights
-    stay the file's integers, and the node is named (what trains before it
-    is frozen with it)."""
+def test_a_weight_whose_scale_is_computed_is_frozen_by_name(files, tmp_path):
+    """A scale the graph computes (not an initializer) gives no fake
+    quantization to train under: the weights stay the file's integers, and
+    the node is named (what trains before it is frozen with it)."""
     path, _ = files["bidirectional-per-channel"]
+    model = onnx.load(path)
+    node = _lstm_node(model)
+    scale = node.input[8]
+    node.input[8] = f"{scale}_computed"
+    model.graph.node.insert(0, onnx.helper.make_node("Identity", [scale], [node.input[8]]))
+    path = str(tmp_path / "computed-scale.onnx")
+    onnx.save(model, path)
     feeds = _inputs(2)
     with pytest.warns(UserWarning, match=r"DynamicQuantizeLSTM\) has no gradient here"):
         layer = OnnxModule(path)

@@ -118,7 +118,7 @@ def describe_model(path: str, backend: str = "auto", check: bool = False) -> dic
             {
                 "name": q.name,
                 "dtype": onnx.helper.tensor_dtype_to_np_dtype(q.elem_type).name,
-                "per": f"axis {q.axis}" if q.scale.size > 1 else "tensor",
+                "per": _per(q),
                 "trains": "fake quantization" if q.paired else "float",
                 # DynamicQuantizeLSTM's: differentiated as ONNX's LSTM of them
                 "recurrent": q.name in recurrent,
@@ -361,3 +361,10 @@ def _shape(shape) -> str:
     if shape is None:
         return "(unknown shape)"
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+
+
+def _per(weight) -> str:
+    """What a quantized weight's scale varies along."""
+    if weight.scale.ndim == 2:  # an LSTM's (directions, 4 * hidden)
+        return f"axes 0 and {weight.axis}"
+    return f"axis {weight.axis}" if weight.scale.size > 1 else "tensor"

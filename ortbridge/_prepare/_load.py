@@ -171,7 +171,10 @@ def _gradient_reachable(
         if not any(out in needed for out in node.output):
             continue
         skip = _weights.FIXED_SLOTS.get(node.op_type, ())
-        straight = node.op_type in _weights.STRAIGHT_THROUGH
+        # (a Concat of integers joins a weight's per-direction fake quantizations)
+        straight = node.op_type in _weights.STRAIGHT_THROUGH or (
+            node.op_type == "Concat" and not is_float(node.output[0])
+        )
         integers = _weights.STRAIGHT_THROUGH_SLOTS.get(node.op_type, ())
         for pos, name in enumerate(node.input):
             if name and pos not in skip and (is_float(name) or straight or pos in integers):

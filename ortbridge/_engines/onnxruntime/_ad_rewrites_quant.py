@@ -36,6 +36,7 @@ from ortbridge._prepare.quantized._lift import (
     QDQ_DOMAINS,
     as_float_lstm,
     is_dynamic_lstm,
+    lifted_lstm_weight,
 )
 
 DOMAIN = "ai.ortbridge.training"
@@ -247,24 +248,29 @@ def quantized_lstms_as_float(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _dequantized(node, slot, producer, taken, nodes) -> str | None:
     """The float weight a ``DynamicQuantizeLSTM`` reads at ``slot``, as the
-    ``DequantizeLinear`` of its lifted ``QuantizeLinear``; None for a weight
-    not lifted (a bidirectional one scaled per channel: refused by name)."""
-    if not is_dynamic_lstm(node) or len(node.input) <= slot:
+    ``DequantizeLinear`` of each of its lifted ``QuantizeLinear`` nodes (one a
+    direction, joined, for a scale per direction and channel); None for a
+    weight not lifted."""
+    found = lifted_lstm_weight(node, slot, producer) if is_dynamic_lstm(node) else None
+    if found is None:
         return None
     name = node.input[slot]
-    quantize = producer.get(name)
-    if quantize is None or not _is(quantize, "QuantizeLinear"):
-        return None
+    parts = []
+    for quantize in found[1]:
+        parts.append(_unique(f"{quantize.output[0]}_dequantized", taken))
+        axis = {a.name: a.i for a in quantize.attribute if a.name == "axis"}
+        nodes.append(
+            helper.make_node(
+                "DequantizeLinear",
+                [quantize.output[0], *quantize.input[1:]],
+                [parts[-1]],
+                _unique(f"{quantize.name}_dequantize", taken),
+                domain=quantize.domain,
+                **axis,
+            )  # fmt: skip
+        )
+    if len(parts) == 1:
+        return parts[0]
     out = _unique(f"{name}_dequantized", taken)
-    axis = {a.name: a.i for a in quantize.attribute if a.name == "axis"}
-    nodes.append(
-        helper.make_node(
-            "DequantizeLinear",
-            [name, *quantize.input[1:]],
-            [out],
-            _unique(f"{quantize.name}_dequantize", taken),
-            domain=quantize.domain,
-            **axis,
-        )  # fmt: skip
-    )
+    nodes.append(helper.make_node("Concat", parts, [out], _unique(f"{name}_join", taken), axis=0))
     return out

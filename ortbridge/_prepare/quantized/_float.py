@@ -25,6 +25,7 @@ from ._lift import (
     integer_limits,
     is_dynamic_lstm,
     lift_quantized_weights,
+    lifted_lstm_weight,
 )
 
 
@@ -96,10 +97,8 @@ def _float_lstm(node, producer, weights, taken) -> list[onnx.NodeProto]:
     where a weight was not lifted."""
     floats = []
     for slot in LSTM_WEIGHT_SLOTS:
-        quantize = producer.get(node.input[slot])
-        if quantize is None or quantize.op_type != "QuantizeLinear":
+        found = lifted_lstm_weight(node, slot, producer)
+        if found is None or found[0] not in weights:
             return [node]
-        if quantize.input[0] not in weights:
-            return [node]
-        floats.append(quantize.input[0])
+        floats.append(found[0])
     return as_float_lstm(node, floats, taken, node.name)

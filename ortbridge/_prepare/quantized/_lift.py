@@ -91,6 +91,8 @@ class QuantizedWeight:
     def _broadcast(self, value: np.ndarray, rank: int) -> np.ndarray:
         if value.ndim == 0 or rank == 0:
             return value
+        if value.ndim == 2:  # an LSTM's (directions, 4 * hidden) on (directions, in, 4 * hidden)
+            return value.reshape(value.shape[0], 1, value.shape[1])
         shape = [1] * rank
         shape[self.axis % rank] = -1
         return value.reshape(shape)
@@ -154,10 +156,11 @@ def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
             zero = np.zeros(scale.shape, helper.tensor_dtype_to_np_dtype(kind))
         if zero.size != scale.size or not np.all(scale > 0):
             continue
-        if scale.ndim > 1:  # an LSTM's (1, 4 * hidden): one scale a gate channel
-            if scale.shape[0] != 1 or scale.ndim != 2:
+        if scale.ndim > 1:  # an LSTM's (directions, 4 * hidden): a direction's gate channels
+            if scale.ndim != 2:
                 continue
-            scale = scale.reshape(-1)
+            if scale.shape[0] == 1:
+                scale = scale.reshape(-1)
         zero = zero.reshape(scale.shape)
         found[name] = QuantizedWeight(
             name, kind, scale, zero, axis, kind not in _UNPAIRED, scale_name
@@ -167,8 +170,8 @@ def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantizedWeight]:
 
 #: com.microsoft ``DynamicQuantizeLSTM``'s int8 weights (input, recurrence):
 #: slot -> the slots of their scale and zero point. The weights are
-#: ``(directions, in, 4 * hidden)``, scaled per direction (axis 0) or, for one
-#: direction, per gate channel (axis 2).
+#: ``(directions, in, 4 * hidden)``, scaled per direction (axis 0) or per
+#: direction and gate channel (a ``(directions, 4 * hidden)`` scale, axis 2).
 LSTM_WEIGHT_SLOTS = {1: (8, 9), 2: (10, 11)}
 
 
@@ -198,6 +201,25 @@ def as_float_lstm(node, weights, taken, name: str) -> list[onnx.NodeProto]:
     lstm = helper.make_node("LSTM", inputs, list(node.output), name)
     lstm.attribute.extend(node.attribute)
     return [*out, lstm]
+
+
+def lifted_lstm_weight(node, slot: int, producer) -> tuple[str, list[onnx.NodeProto]] | None:
+    """The float weight a lifted ``DynamicQuantizeLSTM`` reads at ``slot`` and
+    the ``QuantizeLinear`` nodes giving its integers (one, or one a direction
+    that a ``Concat`` on axis 0 joins); None where the weight was not lifted."""
+    if len(node.input) <= slot:
+        return None
+    source = producer.get(node.input[slot])
+    joined = source is not None and source.op_type == "Concat"
+    quantizers = [producer.get(x) for x in source.input] if joined else [source]
+    if not all(q is not None and q.op_type == "QuantizeLinear" for q in quantizers):
+        return None
+    if not joined:
+        return quantizers[0].input[0], quantizers
+    gathers = [producer.get(q.input[0]) for q in quantizers]
+    if not all(g is not None and g.op_type == "Gather" for g in gathers):
+        return None
+    return gathers[0].input[0], quantizers
 
 
 def _reader(node: onnx.NodeProto, slot: int) -> bool:
@@ -287,29 +309,44 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
 def _lstm_weights_quantized(node, found, graph, dims, taken) -> list[onnx.NodeProto]:
     """A ``DynamicQuantizeLSTM`` reading its lifted weights' ``QuantizeLinear``
     (its kernel takes the integers; the engine differentiates it as ONNX's LSTM
-    of the dequantized weights, :mod:`ortbridge._engines.onnxruntime`)."""
+    of the dequantized weights, :mod:`ortbridge._engines.onnxruntime`). A
+    weight scaled per direction and channel is no per-axis quantization: each
+    direction gets its own ``QuantizeLinear`` and a ``Concat`` joins them."""
+
+    def quantize(x, values, held, label, axis) -> onnx.NodeProto:
+        names = []
+        for name, value in zip(settings, values):
+            if dims.get(name) != list(value.shape):  # (1, 4H) as (4H,), a direction's row
+                name = _unique(f"{name}_per_channel", taken)
+                graph.initializer.append(numpy_helper.from_array(value, name))
+                dims[name] = list(value.shape)
+            names.append(name)
+        return helper.make_node(
+            "QuantizeLinear", [x, *names], [held], _unique(label, taken), axis=axis
+        )
+
     out = []
     for slot, (scale_slot, zero_slot) in LSTM_WEIGHT_SLOTS.items():
         record = found.get(node.input[slot]) if len(node.input) > slot else None
         if record is None:
             continue
-        settings = []
-        for pos, value in ((scale_slot, record.scale), (zero_slot, record.zero_point)):
-            name = node.input[pos]
-            if dims[name] != list(value.shape):
-                name = _unique(f"{name}_per_channel", taken)  # (1, 4H) as (4H,)
-                graph.initializer.append(numpy_helper.from_array(value, name))
-            settings.append(name)
         held = _unique(f"{record.name}_fake_quantized", taken)
-        out.append(
-            helper.make_node(
-                "QuantizeLinear",
-                [record.name, *settings],
-                [held],
-                _unique(f"{node.name or record.name}_quantize_{slot}", taken),
-                axis=record.axis,
-            )
-        )
+        label = f"{node.name or record.name}_quantize_{slot}"
+        settings = (node.input[scale_slot], node.input[zero_slot])
+        values = (record.scale, record.zero_point)
+        if record.scale.ndim < 2:
+            out.append(quantize(record.name, values, held, label, record.axis))
+            node.input[slot] = held
+            continue
+        parts = []
+        for d in range(record.scale.shape[0]):
+            part, index = (_unique(f"{record.name}_direction{d}{x}", taken) for x in ("", "_i"))
+            graph.initializer.append(numpy_helper.from_array(np.asarray([d], np.int64), index))
+            out.append(helper.make_node("Gather", [record.name, index], [part], axis=0))
+            parts.append(_unique(f"{part}_fake_quantized", taken))
+            rows = [v[d] for v in values]
+            out.append(quantize(part, rows, parts[-1], f"{label}_direction{d}", 2))
+        out.append(helper.make_node("Concat", parts, [held], axis=0))
         node.input[slot] = held
     return [*out, node]
 
