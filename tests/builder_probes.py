@@ -34,6 +34,11 @@ def _case(name, op_type, nodes, inputs, values, outputs, opset=18, initializers=
     return _coverage.NodeCase(name, op_type, "", False, model, list(values), list(reference))
 
 
+def _typed(value: np.ndarray, name: str):
+    """An initializer holding ``value`` in its typed field (as onnxruntime's quantizer writes)."""
+    return h.make_tensor(name, h.np_dtype_to_tensor_dtype(value.dtype), value.shape, value.ravel())
+
+
 def _random(*shape):
     return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
 
@@ -165,11 +170,45 @@ def per_axis_fake_quantization():
     ]
     init = [
         nh.from_array(np.array([0.02, 0.05, 0.1], np.float32), "scale"),
-        nh.from_array(np.zeros(3, np.int8), "zero"),
+        _typed(np.zeros(3, np.int8), "zero"),
     ]
     return _case(
         "per_axis_fake_quantization", "QuantizeLinear", nodes, ["x", "w"],
         [_random(2, 3), _random(3, 4)], ["y"], initializers=init,
+    )  # fmt: skip
+
+
+def raw_zero_point_fake_quantization():
+    """An activation under fake quantization, its zero point held as raw bytes
+    (``numpy_helper``'s form; onnxruntime's quantizer writes the typed field)."""
+    nodes = [
+        h.make_node("MatMul", ["x", "w"], ["a"]),
+        h.make_node("QuantizeLinear", ["a", "scale", "zero"], ["q"]),
+        h.make_node("DequantizeLinear", ["q", "scale", "zero"], ["y"]),
+    ]
+    init = [
+        nh.from_array(np.array(0.05, np.float32), "scale"),
+        nh.from_array(np.array(128, np.uint8), "zero"),
+    ]
+    return _case(
+        "raw_zero_point_fake_quantization", "QuantizeLinear", nodes, ["x", "w"],
+        [_random(2, 3), _random(3, 4)], ["y"], initializers=init,
+    )  # fmt: skip
+
+
+def trainable_scale_fake_quantization():
+    """A weight under fake quantization whose scale trains too (LSQ): the scale
+    a graph input asked for a gradient as the weight is (the builder's
+    FakeQuant gives it none)."""
+    nodes = [
+        h.make_node("QuantizeLinear", ["w", "scale", "zero"], ["q"]),
+        h.make_node("DequantizeLinear", ["q", "scale", "zero"], ["dq"]),
+        h.make_node("MatMul", ["x", "dq"], ["y"]),
+    ]
+    init = [_typed(np.array(0, np.int8), "zero")]
+    return _case(
+        "trainable_scale_fake_quantization", "QuantizeLinear", nodes, ["x", "w", "scale"],
+        [_random(2, 3), _random(3, 4), np.array(0.05, np.float32)], ["y"], initializers=init,
     )  # fmt: skip
 
 
@@ -186,7 +225,7 @@ def shared_zero_point_fake_quantization():
     ]
     init = [
         nh.from_array(np.array(0.05, np.float32), "scale"),
-        nh.from_array(np.array(128, np.uint8), "zero"),
+        _typed(np.array(128, np.uint8), "zero"),
     ]
     return _case(
         "shared_zero_point_fake_quantization", "QuantizeLinear", nodes, ["x", "w"],

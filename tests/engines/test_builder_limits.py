@@ -26,7 +26,12 @@ pytestmark = requires_training_build
 _NEITHER = {"split-to-sequence"}
 #: Trained straight through (torch's fake quantization), which finite
 #: differences cannot check: ``tests/test_quantized.py`` checks it against torch.
-_STRAIGHT_THROUGH = {"fake-quantize-per-axis", "fake-quantize-shared-zero-point"}
+_STRAIGHT_THROUGH = {
+    "fake-quantize-per-axis",
+    "fake-quantize-raw-zero-point",
+    "fake-quantize-shared-zero-point",
+    "fake-quantize-trainable-scale",
+}
 #: Node cases no engine checks: opset 8's Scan declares shapes its test data do not have.
 _HARNESS_ERRORS = {"test_scan_sum"}
 
@@ -60,6 +65,10 @@ def test_every_entry_is_still_true_on_the_installed_runtime(probes):
 def test_training_agent_rewrites_or_refuses_each_entry_by_name(probes):
     results = _coverage.run_isolated(probes, quiet=True, backend="training-agent")
     for limit, result in zip(limits.LIMITS, results):
+        if limit.rewritten and limit.key in _STRAIGHT_THROUGH:  # values: tests below
+            assert result.status == _coverage.WRONG, (limit.key, result.detail)
+            assert "finite differences 0" in result.detail, result.detail
+            continue
         if limit.rewritten or limit.key == "concat-float64":  # trains in float32
             assert result.status == _coverage.CORRECT, (limit.key, result.detail)
             continue
@@ -77,6 +86,42 @@ def test_auto_trains_each_entry_or_both_engines_refuse_it(probes):
             continue
         want = _coverage.REFUSED if limit.key in _NEITHER else _coverage.CORRECT
         assert result.status == want, (limit.key, result.detail)
+
+
+def _gradients(case, backend):
+    layer = OnnxModule(case.model, trainable=[], backend=backend)
+    args = [torch.from_numpy(v.copy()).requires_grad_() for v in case.inputs]
+    layer(*args).sum().backward()
+    return [a.grad for a in args]
+
+
+def test_a_zero_point_held_as_raw_bytes_trains_as_on_the_onnxruntime_engine():
+    """The builder's QDQ fusion fails on a zero point in ``raw_data`` (what
+    ``numpy_helper`` writes); rewritten into the typed field, the agent's
+    straight-through gradients equal the onnxruntime engine's."""
+    case = probe("raw_zero_point_fake_quantization")
+    with limits.unguarded(), pytest.raises(NotDifferentiableError, match="corrupted protobuf"):
+        _gradients(case, "training-agent")
+    agent = _gradients(case, "training-agent")
+    engine = _gradients(case, "onnxruntime")
+    assert all(g is not None and g.abs().max() > 0 for g in agent)
+    for mine, theirs in zip(agent, engine):
+        torch.testing.assert_close(mine, theirs)
+
+
+def test_a_trainable_scale_gets_no_gradient_from_the_builder():
+    """The builder's FakeQuant passes the weight's gradient but gives the
+    scale none (silently: a scale asked for stays as it is); the table
+    refuses it by name before the builder sees it."""
+    case = probe("trainable_scale_fake_quantization")
+    with limits.unguarded():
+        x, w, scale = _gradients(case, "training-agent")
+    engine = _gradients(case, "onnxruntime")
+    torch.testing.assert_close(w, engine[1])
+    assert scale is None or not scale.any(), scale
+    assert engine[2].abs() > 0
+    with pytest.raises(NotDifferentiableError, match="with a trainable scale"):
+        _gradients(case, "training-agent")
 
 
 def test_refusal_comes_before_the_builder_and_names_the_node(monkeypatch):

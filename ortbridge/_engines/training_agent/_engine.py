@@ -21,7 +21,6 @@ import onnx
 import torch
 
 from ortbridge._prepare._batch_norm import batch_var_from_inv_std, unbiased_running_var
-from ortbridge._prepare._weights import scales_only
 from ortbridge._runtime import _ort
 from ortbridge._runtime._errors import translate
 from ortbridge._runtime._runs import (
@@ -247,13 +246,6 @@ def _builder_error(exc: Exception, model: onnx.ModelProto) -> Exception:
     match = _MISSING_GRAD.search(text)
     if match:
         name = match.group(1) or match.group(2)
-        if name in scales_only(model):
-            return NotDifferentiableError(
-                f"the training-agent engine keeps quantization scales fixed (onnxruntime-"
-                f"training 1.19.2's FakeQuant has no scale gradient): {name!r} cannot "
-                'train there; backend="onnxruntime" (or "auto") trains scales as LSQ does',
-                unreachable=name,
-            )
         return NotDifferentiableError(
             f"no gradient reaches {name!r}: it cannot be trained or require grad",
             unreachable=name,

@@ -58,16 +58,21 @@ class Limit:
 
 
 class _Facts:
-    """What the entries read about a graph: element types, consumers, opset."""
+    """What the entries read about a graph: element types, consumers, opset,
+    and the tensors to be trained (``targets``: none where a graph is only
+    judged for ``auto``)."""
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, targets=()):
         from ortbridge._prepare._lookup import _infer
+
+        self.targets = frozenset(targets)
 
         self.opset = max(
             [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] or [1]
         )
         self.types, self.shapes = _infer(model)
         self.arrays = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        self.raw = {t.name for t in model.graph.initializer if t.HasField("raw_data")}
         self.constants = {k: v for k, v in self.arrays.items() if v.ndim == 0}
         self.graph_outputs = {o.name for o in model.graph.output}
         self.graph_inputs = {i.name for i in model.graph.input}
@@ -173,6 +178,14 @@ def _per_axis(node, facts):
     # The scale is a frozen weight the module feeds: its declared shape tells.
     shape = facts.shapes.get(node.input[1]) if len(node.input) > 1 else None
     return shape is not None and any(d is None or d > 1 for d in shape)
+
+
+def _raw_zero_point(node, facts):
+    return len(node.input) > 2 and node.input[2] in facts.raw
+
+
+def _trainable_scale(node, facts):
+    return len(node.input) > 1 and node.input[1] in facts.targets
 
 
 def _shared_zero_point(node, facts):
@@ -300,6 +313,16 @@ LIMITS: tuple[Limit, ...] = (
         "per_axis_fake_quantization",
     ),
     Limit(
+        "fake-quantize-raw-zero-point", ("QuantizeLinear", "DequantizeLinear"), FAILS,
+        "a zero point held as raw bytes (the builder's QDQ fusion reads the typed field only)",
+        _raw_zero_point, "raw_zero_point_fake_quantization", True,
+    ),
+    Limit(
+        "fake-quantize-trainable-scale", ("QuantizeLinear", "DequantizeLinear"), WRONG,
+        "a trainable scale (the builder's FakeQuant gives the scale no gradient)",
+        _trainable_scale, "trainable_scale_fake_quantization",
+    ),
+    Limit(
         "fake-quantize-shared-zero-point", ("QuantizeLinear", "DequantizeLinear"), FAILS,
         "a zero point another pair reads too (the builder's QDQ fusion removes it with the "
         "first pair)", _shared_zero_point, "shared_zero_point_fake_quantization",
@@ -340,12 +363,15 @@ def limits_of(node: onnx.NodeProto, facts: _Facts) -> list[Limit]:
     return [lim for lim in _BY_OP.get(node.op_type, ()) if lim.applies(node, facts)]
 
 
-def first_limit(model: onnx.ModelProto, nodes=None) -> tuple[onnx.NodeProto, Limit] | None:
-    """The first node of ``nodes`` (default: all) under an entry, with the entry."""
+def first_limit(
+    model: onnx.ModelProto, nodes=None, targets=()
+) -> tuple[onnx.NodeProto, Limit] | None:
+    """The first node of ``nodes`` (default: all) under an entry, with the entry;
+    ``targets``: the tensors to be trained (entries about training them)."""
     nodes = list(model.graph.node if nodes is None else nodes)
     if not _GUARDED or not any(node.op_type in _BY_OP for node in nodes):
         return None  # no shape inference for a graph the table cannot concern
-    facts = _Facts(model)
+    facts = _Facts(model, targets)
     for node in nodes:
         found = limits_of(node, facts)
         if found:
@@ -376,7 +402,7 @@ def refuse_limits(model: onnx.ModelProto, targets) -> None:
     from ortbridge.exceptions import NotDifferentiableError
 
     outputs = [o.name for o in model.graph.output]
-    found = first_limit(model, gradient_path(model, targets, outputs))
+    found = first_limit(model, gradient_path(model, targets, outputs), targets)
     if found is not None:
         node, limit = found
         raise NotDifferentiableError(

@@ -10,7 +10,10 @@ forward values:
 - Dropout in inference mode with a mask output: ``Identity`` and a mask of
   ones (the builder scales the gradient by ``1 / (1 - ratio)`` there);
 - ReduceL2 below opset 18: the square root of a ``ReduceSum`` of squares
-  (the builder writes an ``Unsqueeze`` without axes for it).
+  (the builder writes an ``Unsqueeze`` without axes for it);
+- a fake quantization's zero point held as raw bytes (what ``numpy_helper``
+  writes): the same values in the typed field (the builder's QDQ fusion
+  reads only that one, and fails reading raw bytes).
 
 A node whose shapes do not allow the rewrite is left as it is: the table
 then routes or refuses it.
@@ -19,7 +22,7 @@ then routes or refuses it.
 from __future__ import annotations
 
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ortbridge._prepare._onnx_utils import NodeBuilder, attr
 
@@ -31,6 +34,9 @@ _WINDOWED = ("Conv", "AveragePool", "MaxPool", "LpPool")
 
 def rewrite(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model``, or a rewritten copy when a node needed it."""
+    raw = raw_zero_points(model)
+    if raw:
+        model = _typed(model, raw)
     if not any(_wanted(node) for node in model.graph.node):
         return model
     from ortbridge._prepare._lookup import _all_names, _unique
@@ -54,6 +60,30 @@ def rewrite(model: onnx.ModelProto) -> onnx.ModelProto:
     del copy.graph.node[:]
     copy.graph.node.extend(nodes)
     return _reinferred(copy, changed) if changed else model
+
+
+def raw_zero_points(model: onnx.ModelProto) -> set[str]:
+    """Zero-point initializers of fake quantizations held as raw bytes."""
+    raw = {i.name for i in model.graph.initializer if i.HasField("raw_data")}
+    return {
+        node.input[2]
+        for node in model.graph.node
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear")
+        and len(node.input) > 2
+        and node.input[2] in raw
+    }
+
+
+def _typed(model: onnx.ModelProto, names: set[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose initializers ``names`` hold their values in the typed field."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for init in copy.graph.initializer:
+        if init.name in names:
+            value = numpy_helper.to_array(init)
+            typed = helper.make_tensor(init.name, init.data_type, value.shape, value.ravel())
+            init.CopyFrom(typed)
+    return copy
 
 
 def _wanted(node: onnx.NodeProto) -> bool:
