@@ -196,6 +196,22 @@ def raw_zero_point_fake_quantization():
     )  # fmt: skip
 
 
+def float16_max_pool():
+    """A float16 MaxPool after a Conv (onnxconverter-common's float16 CNN; the
+    case's inputs and output float32, cast around it)."""
+    nodes = [
+        h.make_node("Cast", ["x"], ["x16"], to=T.FLOAT16),
+        h.make_node("Cast", ["w"], ["w16"], to=T.FLOAT16),
+        h.make_node("Conv", ["x16", "w16"], ["c"], kernel_shape=[3, 3]),
+        h.make_node("MaxPool", ["c"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+        h.make_node("Cast", ["p"], ["y"], to=T.FLOAT),
+    ]
+    return _case(
+        "float16_max_pool", "MaxPool", nodes, ["x", "w"],
+        [_random(2, 3, 6, 6), _random(4, 3, 3, 3)], ["y"],
+    )  # fmt: skip
+
+
 def trainable_scale_fake_quantization():
     """A weight under fake quantization whose scale trains too (LSQ): the scale
     a graph input asked for a gradient as the weight is (the builder's

@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from onnx import TensorProto as T
@@ -167,14 +168,13 @@ def test_a_grouped_query_attention_block_trains_as_torch():
 @pytest.mark.parametrize(
     "attrs, extra",
     [({"k_quant_type": "PER_TENSOR"}, 0), ({"kv_cache_bit_width": 8}, 0),
-     ({"sliding_window_cache": 1}, 0), ({"qk_output": 1}, 0), ({}, 14), ({}, 9), ({}, 12)],
-    ids=["quantized-keys", "cache-bits", "window-cache", "scores-out", "q-norm", "position-ids",
-         "k-scale"],
+     ({"sliding_window_cache": 1}, 0), ({"qk_output": 1}, 0), ({}, 14), ({}, 12)],
+    ids=["quantized-keys", "cache-bits", "window-cache", "scores-out", "q-norm", "k-scale"],
 )  # fmt: skip
 def test_group_query_attention_forms_without_a_decomposition_stay_fused(attrs, extra):
     """A GroupQueryAttention whose cache is quantized or shared with a window,
-    that outputs its scores, or that reads position ids, key or value scales
-    or query and key norms is not decomposed: it
+    that outputs its scores, or that reads key or value scales or query and
+    key norms is not decomposed: it
     stays itself, which the engine then refuses by name, instead of being
     read as plain causal attention."""
     from ortbridge._engines.onnxruntime._ad_rewrites_fused import fused_as_standard
@@ -201,6 +201,49 @@ def test_group_query_attention_forms_without_a_decomposition_stay_fused(attrs, e
     del model.graph.node[:]
     model.graph.node.append(plain)
     assert "GroupQueryAttention" not in [n.op_type for n in fused_as_standard(model).graph.node]
+
+
+def test_group_query_attention_position_ids_decompose_where_their_reading_is_measured(
+    monkeypatch,
+):
+    """Position ids move the rotary embedding only: without one they are not
+    read, and the node is decomposed; with one, the kernel's reading (a first
+    prompt counts on from their first element) is measured on onnxruntime
+    1.31 (the node cases check it there): on an earlier one the node stays
+    fused, refused by name."""
+    from ortbridge._engines.onnxruntime import _ad_rewrites_fused
+    from ortbridge._engines.onnxruntime._ad_rewrites_fused import fused_as_standard
+
+    ms = "com.microsoft"
+
+    def model(rotary: int) -> onnx.ModelProto:
+        inputs = ["q", "k", "v", "", "", "seqlens_k", "total", "cos", "sin", "ids"]
+        node = h.make_node(
+            "GroupQueryAttention", inputs, ["y", "pk", "pv"], domain=ms,
+            num_heads=2, kv_num_heads=1, do_rotary=rotary,
+        )  # fmt: skip
+        values = [h.make_tensor_value_info(n, T.FLOAT, s) for n, s in
+                  (("q", [1, 3, 32]), ("k", [1, 3, 16]), ("v", [1, 3, 16]))]  # fmt: skip
+        values += [h.make_tensor_value_info("seqlens_k", T.INT32, [1])]
+        values += [h.make_tensor_value_info("total", T.INT32, [])]
+        values += [h.make_tensor_value_info("ids", T.INT64, [1, 3])]
+        caches = [
+            onnx.numpy_helper.from_array(np.ones((8, 8), np.float32), name)
+            for name in ("cos", "sin")
+        ]
+        graph = h.make_graph(
+            [node], "g", values, [h.make_tensor_value_info("y", T.FLOAT, None)], caches
+        )
+        return h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(ms, 1)])
+
+    def fused(m):
+        return "GroupQueryAttention" in [n.op_type for n in fused_as_standard(m).graph.node]
+
+    monkeypatch.setattr(_ad_rewrites_fused._ort, "version", lambda: (1, 30))
+    assert not fused(model(0))
+    assert fused(model(1))
+    monkeypatch.setattr(_ad_rewrites_fused._ort, "version", lambda: (1, 31))
+    assert not fused(model(1))
 
 
 def test_attention_with_a_bias_broadcast_over_the_batch_stays_fused_on_1_19():

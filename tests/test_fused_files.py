@@ -196,11 +196,15 @@ def _lora_trains_and_comes_back_fused(path, inputs, tmp_path, n_products: int, d
 
 def _torch_gradient_like(value: np.ndarray, params: dict) -> torch.Tensor | None:
     """torch's gradient laid out as the file's weight ``value``: a parameter
-    itself, transposed, or a packed QKV weight or bias (query, key, value)."""
+    itself, transposed, with a leading unit axis (a table the optimizer
+    gathered whole: CLIP's position embeddings), or a packed QKV weight or
+    bias (query, key, value)."""
     for name, p in params.items():
         data = p.detach().numpy()
         if data.shape == value.shape and np.array_equal(data, value):
             return p.grad
+        if value.shape == (1, *data.shape) and np.array_equal(data, value[0]):
+            return p.grad[None]
         if data.ndim == 2 and data.T.shape == value.shape and np.array_equal(data.T, value):
             return p.grad.T
         if name.endswith("query.weight") or name.endswith("query.bias"):
@@ -304,21 +308,23 @@ def test_float32_master_weights_of_a_float16_file(bert, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name, model_type, fused",
+    "name, model_type, fused, count",
     [
-        ("gpt2", "gpt2", "SkipLayerNormalization"),
-        ("vit", "vit", "SkipLayerNormalization"),
-        ("llama", "gpt2", "SkipSimplifiedLayerNormalization"),
-        ("t5-encoder", "t5", "SkipSimplifiedLayerNormalization"),
+        ("gpt2", "gpt2", "SkipLayerNormalization", 4),
+        ("vit", "vit", "SkipLayerNormalization", 4),
+        ("llama", "gpt2", "SkipSimplifiedLayerNormalization", 4),
+        ("t5-encoder", "t5", "SkipSimplifiedLayerNormalization", 4),
+        ("clip-vision", "clip", "QuickGelu", 2),
     ],
-    ids=["gpt2", "vit", "llama", "t5-encoder"],
+    ids=["gpt2", "vit", "llama", "t5-encoder", "clip-vision"],
 )
-def test_other_optimized_architectures_train_as_torch(name, model_type, fused, tmp_path):
+def test_other_optimized_architectures_train_as_torch(name, model_type, fused, count, tmp_path):
     """GPT-2 (SkipLayerNormalization, FastGelu: GPT-2's own tanh GELU), ViT
     (SkipLayerNormalization, BiasGelu), a Llama-style decoder and T5's encoder
     (RMS norms: SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization),
-    each as the optimizer writes it from transformers' model: outputs and
-    every trained weight's gradient against torch's."""
+    CLIP's vision tower (SkipLayerNormalization, QuickGelu), each as the
+    optimizer writes it from transformers' model: outputs and every trained
+    weight's gradient against torch's."""
     from _transformers_zoo import exported
 
     optimize_model = _optimizer()
@@ -329,7 +335,7 @@ def test_other_optimized_architectures_train_as_torch(name, model_type, fused, t
     optimize_model(source, model_type=model_type, num_heads=2, hidden_size=16).save_model_to_file(
         path
     )
-    assert _fused_ops(path)[fused] == 4
+    assert _fused_ops(path)[fused] == count
     layer = OnnxModule(path)
     trained = dict(layer.named_onnx_parameters())
     assert len(trained) >= 19
@@ -340,7 +346,7 @@ def test_other_optimized_architectures_train_as_torch(name, model_type, fused, t
 #: The product weights ``lora`` adapts in each optimized file: two layers'
 #: attention and feed-forward products (GPT-2: 4 a layer, Llama's gated
 #: feed-forward 7, T5 6), and ViT's patch-embedding Conv.
-PRODUCTS = {"gpt2": 8, "vit": 13, "llama": 14, "t5-encoder": 12}
+PRODUCTS = {"gpt2": 8, "vit": 13, "llama": 14, "t5-encoder": 12, "clip-vision": 13}
 
 
 #: A published float16 file: slovorez's test model (tf2onnx 1.17, int32 ids in,
@@ -516,3 +522,61 @@ def test_float32_master_weights_of_a_bfloat16_file(tmp_path):
     for name, p in params.items():
         value = torch.from_numpy(onnx.numpy_helper.to_array(written[name]).astype(np.float32))
         assert torch.equal(value, p.detach().bfloat16().float()), name
+
+
+def _pooled_cnn() -> torch.nn.Module:
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
+        nn.Flatten(), nn.Linear(24, 4),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("keep_io_types", [False, True])
+def test_a_float16_cnn_trains_as_its_float32_twin_and_the_agent_refuses_its_pools(
+    keep_io_types, tmp_path
+):
+    """onnxconverter-common's float16 CNN (its ``keep_io_types`` casts come
+    last in the node list) trains on the default backend; the training
+    build's builder kills the process on a float16 pool's gradient, so the
+    training agent refuses it by name (``auto`` never falls back to it)."""
+    from conftest import export_torchscript
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from ortbridge._runtime import _ort
+    from ortbridge.exceptions import NotDifferentiableError
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    source = export_torchscript(_pooled_cnn().eval(), (x,), input_names=["x"], output_names=["y"])
+    half = convert_float_to_float16(source, keep_io_types=keep_io_types)
+    path = str(tmp_path / "cnn16.onnx")
+    onnx.save(half, path)
+    layer = OnnxModule(path)
+    twin = OnnxModule(source)  # float32, on the float16 file's weights
+    with torch.no_grad():
+        for name, p in twin.named_onnx_parameters():
+            p.copy_(layer.onnx_weight(name).float())
+    fed = x if keep_io_types else x.half()
+    out = layer(fed)
+    assert out.dtype == (torch.float32 if keep_io_types else torch.float16)
+    want = twin(x)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=scaled_atol(2e-2, want))
+    cotangent = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (out.float() * cotangent).sum().backward()
+    (want * cotangent).sum().backward()
+    for name, p in twin.named_onnx_parameters():
+        grad = layer.onnx_weight(name).grad
+        assert grad.dtype == torch.float16, name
+        torch.testing.assert_close(
+            grad.float(), p.grad, rtol=3e-2, atol=scaled_atol(3e-2, p.grad), msg=name
+        )
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.05)
+    assert_steps_lower(optimizer, lambda: (layer(fed).float() * cotangent).sum(), 3)
+    if not _ort.has_training():
+        return
+    with pytest.raises(NotDifferentiableError, match=r"float16 input.*kills the process") as e:
+        agent = OnnxModule(path, backend="training-agent")
+        agent(fed).float().sum().backward()
+    assert e.value.op_type in ("MaxPool", "AveragePool")

@@ -213,6 +213,9 @@ CASES = {
         ["y"], constants=("packed", "scales", "zero_points"), K=40, N=24, bits=4,
         block_size=16,
     ),
+    "quick_gelu": lambda: _case(
+        "quick_gelu", "QuickGelu", {"x": _random(2, 3, 8, seed=44)}, ["y"], alpha=1.5
+    ),
     "rotary_embedding": lambda: _case(
         "rotary_embedding", "RotaryEmbedding",
         {"x": _random(2, 3, 8), "positions": np.array([[0, 1, 2], [3, 4, 5]], np.int64),
@@ -249,8 +252,46 @@ CASES = {
          "total_sequence_length": np.array(5, np.int32)},
         ["y", "present_key", "present_value"], (T.FLOAT, T.FLOAT), num_heads=2, kv_num_heads=1,
     ),
+    # Rows of unequal pasts (seqlens_k - S + 1 each), their rotary positions
+    # counted on from them; and a past buffer longer than the total (a cache
+    # allocated ahead), of which each row reads its own first keys.
+    "group_query_attention_past_ragged": lambda: _gqa_decode("past_ragged", 4, (4, 2), 5),
+    "group_query_attention_past_buffer": lambda: _gqa_decode("past_buffer", 8, (4, 6), 7),
 }  # fmt: skip
 
+
+def _gqa_decode(label: str, buffer: int, lengths, total: int, positions=None) -> NodeCase:
+    """GroupQueryAttention decoding one token a row after a past buffer of
+    ``buffer`` keys, with rotary embeddings (and ``positions`` as position ids)."""
+    rows = len(lengths)
+    ids = {"position_ids": np.array(positions, np.int64)} if positions is not None else {}
+    return _case(
+        f"group_query_attention_{label}", "GroupQueryAttention",
+        {"q": _random(rows, 1, 32, seed=36), "k": _random(rows, 1, 16, seed=37),
+         "v": _random(rows, 1, 16, seed=38), "past_key": _random(rows, 1, buffer, 16, seed=39),
+         "past_value": _random(rows, 1, buffer, 16, seed=40), "seqlens_k": _lengths(*lengths),
+         "total_sequence_length": np.array(total, np.int32), **_rotary_caches(16, 8), **ids},
+        ["y", "present_key", "present_value"], (T.FLOAT, T.FLOAT), constants=("cos", "sin"),
+        num_heads=2, kv_num_heads=1, do_rotary=1,
+    )  # fmt: skip
+
+
+if _ort.version() >= (1, 31):
+    # Position ids: a first prompt reads their first element and counts on
+    # from it in every row; later calls read them as they are.
+    CASES["group_query_attention_position_ids"] = lambda: _gqa_decode(
+        "position_ids", 4, (4, 2), 5, positions=[[6], [1]]
+    )
+    CASES["group_query_attention_prompt_position_ids"] = lambda: _case(
+        "group_query_attention_prompt_position_ids", "GroupQueryAttention",
+        {"q": _random(2, 4, 32, seed=41), "k": _random(2, 4, 16, seed=42),
+         "v": _random(2, 4, 16, seed=43), "": np.zeros(0, np.float32),
+         " ": np.zeros(0, np.float32), "seqlens_k": _lengths(3, 2),
+         "total_sequence_length": np.array(4, np.int32), **_rotary_caches(16, 8),
+         "position_ids": np.array([[3, 4, 5, 6], [0, 1, 2, 3]], np.int64)},
+        ["y", "present_key", "present_value"], (T.FLOAT, T.FLOAT), constants=("cos", "sin"),
+        num_heads=2, kv_num_heads=1, do_rotary=1,
+    )  # fmt: skip
 
 if _ort.version() >= (1, 20):
     # 1.19's kernel has no softcap, and its windowed output for a padding
@@ -279,6 +320,7 @@ if _ort.version() >= (1, 20):
 #: state): the engine refuses them there.
 NEWER = frozenset(
     {"multi_head_attention", "multi_head_attention_bias", "group_query_attention_past",
+     "group_query_attention_past_ragged", "group_query_attention_past_buffer",
      "multi_head_attention_past_mask"}
 )  # fmt: skip
 

@@ -22,7 +22,7 @@ from ._exporter_forms import (
     outputs_as_computed,
 )
 from ._lookup import _all_names, _infer, _unique
-from ._onnx_utils import FLOAT_TYPES, np_dtype
+from ._onnx_utils import FLOAT_TYPES, np_dtype, topological
 from ._sequences import sequences_as_tensors
 from ._weights import lift_constant_weights
 from .quantized import lift_quantized_weights
@@ -65,6 +65,9 @@ def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.
       name of its own, an ``Identity`` of the input: onnx-ad names the
       input's gradient after it and refuses the clash, and onnxruntime
       1.19.2's gradient builder fails on it or kills the process.
+    - Nodes come after the nodes they read (onnxconverter-common's
+      ``keep_io_types`` appends its input casts last; onnxruntime sorts a
+      graph itself, the engines read it in order).
     - Unnamed nodes get a name.
     - An ai.onnx opset below 13 is converted to 13: the gradient builder
       writes nodes in the forms of recent opsets (a ``Gemm`` without ``C``).
@@ -79,6 +82,7 @@ def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.
       (:class:`._declared_shapes.WrongShape`).
     """
     bfloat16_as_float32(model)
+    _producers_first(model)
     check_runnable(model)
     lift_constant_weights(model)
     older_forms_rewritten(model)
@@ -226,3 +230,14 @@ def _average_pool_as_conv(node, shapes, types, taken) -> list[onnx.NodeProto]:
             "Conv", [node.input[0], weight_name], [node.output[0]], node.name, **conv_attrs
         ),
     ]
+
+
+def _producers_first(model: onnx.ModelProto) -> None:
+    """The main graph's nodes in an order where producers come first, in place."""
+    ordered = topological(model.graph)
+    if [tuple(n.output) for n in ordered] != [tuple(n.output) for n in model.graph.node]:
+        copies = [onnx.NodeProto() for _ in ordered]
+        for copy, node in zip(copies, ordered):
+            copy.CopyFrom(node)
+        del model.graph.node[:]
+        model.graph.node.extend(copies)

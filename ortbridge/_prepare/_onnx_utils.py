@@ -7,6 +7,7 @@ ortbridge builds goes through :func:`make_model` to pin both.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 
 import numpy as np
@@ -205,3 +206,35 @@ def gradient_path(model: onnx.ModelProto, targets, outputs) -> list[onnx.NodePro
         for node in nodes
         if any(o in needed for o in node.output) and any(n in reached for n in node_reads(node))
     ]
+
+
+def topological(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """Nodes in an order where producers come first (exporters usually comply);
+    among the nodes ready at a time, file order. Linear in the graph's size (a
+    scan per round took 0.6 s of MobileViT's construction)."""
+    produced = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    nodes = list(graph.node)
+    unmet = []
+    waiting: dict[str, list[int]] = {}
+    ready: list[int] = []
+    for index, node in enumerate(nodes):
+        missing = {i for i in node.input if i not in produced}
+        unmet.append(len(missing))
+        for name in missing:
+            waiting.setdefault(name, []).append(index)
+        if not missing:
+            ready.append(index)
+    heapq.heapify(ready)
+    ordered, done = [], set()
+    while ready:
+        index = heapq.heappop(ready)
+        ordered.append(nodes[index])
+        done.add(index)
+        for name in nodes[index].output:
+            for reader in waiting.pop(name, ()):
+                unmet[reader] -= 1
+                if unmet[reader] == 0:
+                    heapq.heappush(ready, reader)
+    # inputs from an outer scope or a cycle: the rest in file order
+    ordered.extend(node for index, node in enumerate(nodes) if index not in done)
+    return ordered

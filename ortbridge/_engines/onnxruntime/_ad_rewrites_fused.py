@@ -87,7 +87,7 @@ FUSED = frozenset(
         "SkipLayerNormalization", "SimplifiedLayerNormalization",
         "SkipSimplifiedLayerNormalization", "BiasGelu", "FastGelu", "Gelu", "FusedMatMul",
         "Attention", "MultiHeadAttention", "EmbedLayerNormalization", "MatMulNBits",
-        "RotaryEmbedding", "GroupQueryAttention",
+        "RotaryEmbedding", "GroupQueryAttention", "QuickGelu",
     }
 )  # fmt: skip
 
@@ -229,6 +229,12 @@ class _Writer:
 
     def BiasGelu(self):
         self._gelu_erf(self.op("Add", [self._in(0), self._in(1)]), self._out(0))
+        return self.out
+
+    def QuickGelu(self):  # CLIP's: x * sigmoid(alpha * x)
+        x = self._in(0)
+        scaled = self.op("Mul", [x, self.const(attr(self.node, "alpha", 1.702))])
+        self.op("Mul", [x, self.op("Sigmoid", [scaled])], self._out(0))
         return self.out
 
     def FastGelu(self):
@@ -512,10 +518,8 @@ class _Writer:
 
     def GroupQueryAttention(self):
         node = self.node
-        if self._in(9):
-            # onnxruntime 1.31's CPU kernel reads a prompt's position ids in a
-            # way no rule of positions matches (measured): left
-            return None
+        if self._in(9) and attr(node, "do_rotary", 0) and _ort.version() < (1, 31):
+            return None  # position ids: their reading is measured on 1.31's kernel only
         if any(node.input[12:]) or any(node.output[3:]) or not _plain_cache(node):
             return None  # quantized or normed keys, a quantized cache, scores out: left
         window, softcap = attr(node, "local_window_size", -1), attr(node, "softcap", 0.0)
@@ -552,17 +556,16 @@ class _Writer:
             cache = self.shapes.get(self._in(7))
             if not cache or len(cache) != 2 or not isinstance(cache[1], int):
                 return None
-            steps = self.op("Add", [self._positions(query), self._past_length()])  # P .. P+S-1
+            steps = self._rotary_steps(query)  # (B, S)
             c, s = (
-                self.op("Unsqueeze", [self.op("Gather", [t, steps], axis=0), self._axes([1])])
+                self.op("Unsqueeze", [self.op("Gather", [t, steps], axis=0), self._axes([2])])
                 for t in (self._in(7), self._in(8))
-            )  # (S, 1, half)
+            )  # (B, S, 1, half)
             interleaved = attr(node, "rotary_interleaved", 0)
             q, k = (self._rotate(t, (c, s), cache[1], head, interleaved) for t in (q, k))
         q, k, v = (self.op("Transpose", [t], perm=[0, 2, 1, 3]) for t in (q, k, v))
-        if self._in(3):  # the past state before the new keys and values
-            k = self.op("Concat", [self._in(3), k], axis=2)
-            v = self.op("Concat", [self._in(4), v], axis=2)
+        if self._in(3):  # each row's past, then its new keys and values
+            k, v = (self._present(state, t) for state, t in ((self._in(3), k), (self._in(4), v)))
         for pos, t in ((1, k), (2, v)):
             if self._out(pos):
                 self.op("Identity", [t], self._out(pos))
@@ -594,7 +597,9 @@ class _Writer:
         if self._in(10):  # (B or 1, N or 1, S, T)
             scores = self.op("Add", [scores, self._in(10)])
         keep = self._valid_keys(k, self._in(5))
-        if causal:
+        if causal and self._in(3):
+            keep = self.op("And", [self._causal_after_past(k, query, window), keep])
+        elif causal:
             keep = self.op("And", [self._causal_keep(scores, window if window > 0 else None), keep])
         lowest = self.const(float(np.finfo(np_dtype(self.elem)).min))
         scores = self.op("Where", [keep, scores, lowest])
@@ -613,11 +618,91 @@ class _Writer:
         self.op("Reshape", [context, self._axes([0, 0, heads * head])], self._out(0))
         return self.out
 
-    def _past_length(self) -> str:
-        """The past state's length (one int64), 0 without one."""
+    # GroupQueryAttention's past state, as onnxruntime's CPU kernel reads it:
+    # row b's past is its first seqlens_k[b] + 1 - S keys (none in a first
+    # prompt, S == total_sequence_length), whatever the buffer's length P; the
+    # present state, max(P, total) long, holds that past, the S new keys after
+    # it, and zeros; query i sits at position past + i.
+
+    def _first_prompt(self, query: str) -> str:
+        """Whether the call is a first prompt (S == total_sequence_length): (1,) bool."""
+        total = self.op("Cast", [self._in(6)], to=TensorProto.INT64)
+        return self.op("Equal", [self._shape_part(query, 1), self._flat(total)])
+
+    def _row_pasts(self, query: str) -> str:
+        """Each row's past length, (B, 1) int64."""
+        lengths = self.op("Cast", [self._in(5)], to=TensorProto.INT64)
+        after = self.op(
+            "Sub", [self.op("Add", [lengths, self._int(1)]), self._shape_part(query, 1)]
+        )
+        past = self.op("Where", [self._first_prompt(query), self._int(0), after])
+        return self.op("Unsqueeze", [past, self._axes([1])])
+
+    def _flat(self, x: str) -> str:
+        return self.op("Reshape", [x, self._axes([-1])])
+
+    def _rotary_steps(self, query: str) -> str:
+        """The positions the rotary caches are read at, (B, S) int64: the
+        position ids (a first prompt reads their first element, counting on
+        from it), else each row's past length on."""
+        steps = self.op("Unsqueeze", [self._positions(query), self._axes([0])])  # (1, S)
+        if self._in(9):
+            first = self.op("Gather", [self._flat(self._in(9)), self._int(0)], axis=0)
+            counted = self.op("Add", [steps, first])
+            return self.op("Where", [self._first_prompt(query), counted, self._in(9)])
         if not self._in(3):
-            return self._int(0)
-        return self._shape_part(self._in(3), 2)
+            return steps
+        return self.op("Add", [steps, self._row_pasts(self._in(0))])
+
+    def _present(self, state: str, new: str) -> str:
+        """(B, N, max(P, total), head): row b's past keys, its new ones after
+        them, zeros after those (one gather from the past, the new and a zero row)."""
+        query = self._in(0)
+        pasts = self._row_pasts(query)  # (B, 1)
+        buffer, count = self._shape_part(state, 2), self._shape_part(new, 2)
+        total = self.op("Cast", [self._flat(self._in(6))], to=TensorProto.INT64)
+        length = self.op("Max", [buffer, total])
+        j = self.op("Unsqueeze", [self._positions_to(length), self._axes([0])])  # (1, T)
+        offset = self.op("Sub", [j, pasts])  # (B, T): the new key's index
+        is_past = self.op("Less", [j, pasts])
+        is_new = self.op("And", [self.op("Not", [is_past]), self.op("Less", [offset, count])])
+        zero_row = self.op("Add", [buffer, count])
+        index = self.op(
+            "Where",
+            [is_past, j, self.op("Where", [is_new, self.op("Add", [offset, buffer]), zero_row])],
+        )  # (B, T) into the past, the new keys and a zero row, joined
+        zeros = self.op("Mul", [self._slice_axis(new, 2, 0, 1), self.const(0.0)])
+        joined = self.op("Concat", [state, new, zeros], axis=2)
+        shape = self.op("Shape", [new])
+        full = self.op(
+            "Concat",
+            [self.op("Slice", [shape, self._axes([0]), self._axes([2])]), length,
+             self.op("Slice", [shape, self._axes([3]), self._axes([4])])],
+            axis=0,
+        )  # fmt: skip
+        spread = self.op("Expand", [self.op("Unsqueeze", [index, self._axes([1, 3])]), full])
+        return self.op("GatherElements", [joined, spread], axis=2)
+
+    def _positions_to(self, length: str) -> str:
+        """``0 .. length-1`` (int64) for a one-element ``length``."""
+        end = self.op("Squeeze", [length, self._axes([0])])
+        return self.op("Range", [self._int(0), end, self._int(1)])
+
+    def _slice_axis(self, x: str, axis: int, start: int, end: int) -> str:
+        return self.op("Slice", [x, self._axes([start]), self._axes([end]), self._axes([axis])])
+
+    def _causal_after_past(self, k: str, query: str, window: int) -> str:
+        """(B, 1, S, T): key ``j`` for query ``i`` of row b where ``j <= past_b + i``
+        (and ``j > past_b + i - window`` with a window)."""
+        at = self.op("Add", [self._row_pasts(query), self.op(
+            "Unsqueeze", [self._positions(query), self._axes([0])])])  # fmt: skip
+        at = self.op("Unsqueeze", [at, self._axes([2])])  # (B, S, 1)
+        j = self.op("Reshape", [self._positions(k, 2), self._axes([1, 1, -1])])
+        keep = self.op("LessOrEqual", [j, at])
+        if window > 0:
+            start = self.op("Sub", [at, self._int(window)])
+            keep = self.op("And", [keep, self.op("Greater", [j, start])])
+        return self.op("Unsqueeze", [keep, self._axes([1])])
 
     def _valid_keys(self, k: str, lengths: str) -> str:
         """(B, 1, 1, T): key ``j`` where ``j <= seqlens_k[b]`` (its sequence's last token)."""

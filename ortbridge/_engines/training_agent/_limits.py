@@ -180,6 +180,10 @@ def _per_axis(node, facts):
     return shape is not None and any(d is None or d > 1 for d in shape)
 
 
+def _float16_input(node, facts):
+    return facts.types.get(node.input[0]) == TensorProto.FLOAT16
+
+
 def _raw_zero_point(node, facts):
     return len(node.input) > 2 and node.input[2] in facts.raw
 
@@ -311,6 +315,10 @@ LIMITS: tuple[Limit, ...] = (
         "fake-quantize-per-axis", ("QuantizeLinear", "DequantizeLinear"), FAILS,
         "a scale per axis (the builder's FakeQuant takes one scale)", _per_axis,
         "per_axis_fake_quantization",
+    ),
+    Limit(
+        "float16-pool", ("MaxPool", "AveragePool"), CRASH, "float16 input", _float16_input,
+        "float16_max_pool",
     ),
     Limit(
         "fake-quantize-raw-zero-point", ("QuantizeLinear", "DequantizeLinear"), FAILS,
