@@ -260,3 +260,55 @@ def test_attention_with_a_bias_broadcast_over_the_batch_stays_fused_on_1_19():
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(ms, 1)])
     ops = [n.op_type for n in fused_as_standard(model).graph.node]
     assert (ops == ["Attention"]) == (_ort.version() < (1, 20)), ops
+
+
+def test_weights_after_a_fused_node_left_as_it_is_train_and_those_before_are_named():
+    """A fused node with no decomposition (a GroupQueryAttention windowing
+    capped scores; on onnxruntime 1.19 any window) is not differentiated, yet
+    the file wraps: the weights after it train (onnx-ad is told its output's
+    rank), those before it are frozen and named, asking for one is refused."""
+    from ortbridge.exceptions import NotDifferentiableError
+
+    rng = np.random.default_rng(0)
+    shapes = {"wq": (16, 64), "wk": (16, 32), "wv": (16, 32), "wo": (64, 8)}
+    weights = {n: (rng.standard_normal(s) * 0.3).astype(np.float32) for n, s in shapes.items()}
+    nodes = [h.make_node("MatMul", ["x", f"w{p}"], [p]) for p in "qkv"]
+    capped = {"softcap": 1.5} if _ort.version() >= (1, 20) else {}
+    nodes += [
+        h.make_node(
+            "GroupQueryAttention", ["q", "k", "v", "", "", "seqlens_k", "total"],
+            ["a", "pk", "pv"], name="gqa", domain="com.microsoft", num_heads=4,
+            kv_num_heads=2, local_window_size=2, **capped,
+        ),
+        h.make_node("MatMul", ["a", "wo"], ["y"]),
+    ]  # fmt: skip
+    inputs = [h.make_tensor_value_info("x", T.FLOAT, [2, 5, 16])]
+    inputs += [h.make_tensor_value_info("seqlens_k", T.INT32, [2])]
+    inputs += [h.make_tensor_value_info("total", T.INT32, [])]
+    inits = [numpy_helper.from_array(v, k) for k, v in weights.items()]
+    graph = h.make_graph(nodes, "g", inputs, [h.make_tensor_value_info("y", T.FLOAT, None)], inits)
+    ms = "com.microsoft"
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(ms, 1)])
+    model.ir_version = 9
+    feeds = {
+        "x": rng.standard_normal((2, 5, 16)).astype(np.float32),
+        "seqlens_k": np.array([4, 4], np.int32),
+        "total": np.array(5, np.int32),
+    }
+    with pytest.warns(UserWarning, match=r"'gqa' \(op type GroupQueryAttention\) has no gradient"):
+        layer = OnnxModule(model)
+    assert sorted(n for n, _ in layer.named_onnx_parameters()) == ["wo"]
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(h.make_tensor_value_info("a", T.FLOAT, None))
+    import onnxruntime
+
+    y, a = onnxruntime.InferenceSession(probe.SerializeToString()).run(None, feeds)
+    out = layer(*(torch.from_numpy(feeds[n]) for n in layer.input_names))
+    torch.testing.assert_close(out, torch.from_numpy(y), rtol=1e-5, atol=1e-5)
+    cotangent = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * cotangent).sum().backward()
+    want = np.einsum("bsi,bso->io", a, cotangent.numpy())
+    np.testing.assert_allclose(layer.onnx_weight("wo").grad.numpy(), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(NotDifferentiableError, match="gqa"):
+        OnnxModule(model, trainable=["wq"])

@@ -112,10 +112,52 @@ def fused_as_standard(model: onnx.ModelProto) -> onnx.ModelProto:
         elem = known[0] if known else TensorProto.FLOAT
         writer = _Writer(node, graph, taken, elem, (shapes, producers), opset)
         new = getattr(writer, node.op_type)()
+        if new is None:
+            _declare_ranks(graph, node, shapes, elem)
         nodes.extend([node] if new is None else new)
     del graph.node[:]
     graph.node.extend(nodes)
     return model
+
+
+#: The ranks of the outputs of a fused node left as it is (refused by name:
+#: onnx knows no com.microsoft op's shapes, and onnx-ad needs the ranks of
+#: what a trained weight after it meets): output index -> rank, from the
+#: first input's (None: as it).
+_LEFT_RANKS = {
+    **dict.fromkeys(
+        ("Attention", "MultiHeadAttention", "GroupQueryAttention"), {0: None, 1: 4, 2: 4}
+    ),
+    **dict.fromkeys(
+        (
+            "RotaryEmbedding",
+            "MatMulNBits",
+            "QuickGelu",
+            "FastGelu",
+            "BiasGelu",
+            "Gelu",
+            "FusedMatMul",
+            "SkipLayerNormalization",
+            "SkipSimplifiedLayerNormalization",
+            "SimplifiedLayerNormalization",
+        ),
+        {0: None},
+    ),  # fmt: skip
+}
+
+
+def _declare_ranks(graph: onnx.GraphProto, node: onnx.NodeProto, shapes, elem: int) -> None:
+    """Declare the ranks of ``node``'s outputs (unknown sizes) where onnx cannot infer them."""
+    rank = len(shapes.get(node.input[0]) or ()) if node.input else 0
+    ranks = dict(_LEFT_RANKS.get(node.op_type, {}))
+    if node.op_type == "Attention":  # its present: key and value stacked
+        ranks[1] = 5
+    declared = {vi.name for vi in graph.value_info}
+    for index, out in enumerate(node.output):
+        if not out or out in declared or index not in ranks or not rank:
+            continue
+        size = ranks[index] or rank
+        graph.value_info.append(helper.make_tensor_value_info(out, elem, [None] * size))
 
 
 def _fused(node: onnx.NodeProto) -> bool:

@@ -171,14 +171,11 @@ def _float_types(model: onnx.ModelProto) -> tuple[dict, dict]:
 
 
 def declare_fused_outputs(source: onnx.ModelProto, target: onnx.ModelProto) -> None:
-    """Copy ``source``'s declarations of its fused activations' outputs into
+    """Copy ``source``'s declarations of its com.microsoft nodes' outputs (the
+    fused activations', and those of a fused node left as it is) into
     ``target`` (onnx-ad's reverse model leaves them out, and onnx's shape
     inference cannot give them)."""
-    outputs = {
-        n.output[0]
-        for n in target.graph.node
-        if n.op_type in ("Gelu", "QuickGelu") and n.domain == _MS
-    }
+    outputs = {out for n in target.graph.node if n.domain == _MS for out in n.output if out}
     if not outputs:
         return
     known = {vi.name for vi in target.graph.value_info}
