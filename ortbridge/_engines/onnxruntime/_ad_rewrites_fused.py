@@ -82,6 +82,9 @@ from ortbridge._prepare._onnx_utils import FLOAT_TYPES, attr, np_dtype
 from ortbridge._runtime import _ort
 
 _MS = "com.microsoft"
+#: How a fused node left as it is says why (its ``doc_string``; the engine's
+#: refusal quotes it).
+LEFT_FUSED = "not decomposed: "
 FUSED = frozenset(
     {
         "SkipLayerNormalization", "SimplifiedLayerNormalization",
@@ -240,6 +243,10 @@ class _Writer:
         root = self.op("Sqrt", [self.op("Add", [mean, self.const(epsilon)])])
         self.op("Mul", [self.op("Div", [x, root]), gamma], output)
 
+    def _left(self, why: str) -> None:
+        """Leave the node fused (refused by name), saying which of its forms it has."""
+        self.node.doc_string = f"{LEFT_FUSED}{why}"
+
     def _axes(self, axes) -> str:
         name = self._name("axes")
         self.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), name))
@@ -247,13 +254,13 @@ class _Writer:
 
     def SimplifiedLayerNormalization(self):
         if any(self.node.output[1:]) or attr(self.node, "axis", -1) != -1:
-            return None  # its inverse-deviation output, other axes: left (refused by name)
+            return self._left("a statistics output or an axis other than the last")
         self._rms(self._in(0), self._in(1), self._out(0))
         return self.out
 
     def SkipSimplifiedLayerNormalization(self):
         if self._out(1) or self._out(2):
-            return None
+            return self._left("a statistics output")
         total = self._sum([self._in(0), self._in(1), self._in(3)])
         if self._out(3):
             self.op("Identity", [total], self._out(3))
@@ -290,7 +297,7 @@ class _Writer:
 
     def FusedMatMul(self):
         if attr(self.node, "transBatchA", 0) or attr(self.node, "transBatchB", 0):
-            return None
+            return self._left("transBatchA or transBatchB")
         a, b = self._in(0), self._in(1)
         if attr(self.node, "transA", 0):
             a = self._transposed_last(a)
@@ -310,7 +317,7 @@ class _Writer:
         k, n = attr(node, "K", 0), attr(node, "N", 0)
         block = attr(node, "block_size", 0)
         if attr(node, "bits", 4) != 4 or self._in(4) or not (k and n and block):
-            return None  # other widths, a group index: left (refused by name)
+            return self._left("a width other than 4 bits or a group index")
         blocks = -(-k // block)
         packed, scales, zero_points, bias = self._in(1), self._in(2), self._in(3), self._in(5)
         q = self._nibbles(packed, [n, blocks * block])  # [N, blocks * block], integers
@@ -340,17 +347,17 @@ class _Writer:
         x, positions, cos, sin = (self._in(i) for i in range(4))
         shape, cache = self.shapes.get(x), self.shapes.get(cos)
         if attr(node, "is_packed_batching", 0) or attr(node, "scale", 1.0) != 1.0:
-            return None
+            return self._left("packed batching or a scale")
         if shape is None or len(shape) != 3 or cache is None or len(cache) != 2:
-            return None
+            return self._left("an input of other than three axes, or caches of unknown shape")
         hidden, half = shape[2], cache[1]
         if not isinstance(hidden, int) or not isinstance(half, int):
-            return None
+            return self._left("sizes unknown when the graph is built")
         rotary = attr(node, "rotary_embedding_dim", 0) or 2 * half
         heads = attr(node, "num_heads", 0) or hidden // rotary
         head = hidden // heads
         if rotary != 2 * half or heads * head != hidden or rotary > head:
-            return None
+            return self._left("a rotary dimension that does not fit the heads")
         ids = self.shapes.get(positions)
         if ids is not None and len(ids) == 1:  # one offset: offset + 0..S-1 for every row
             steps = self.op("Unsqueeze", [self._positions(x), self._axes([0])])
@@ -426,7 +433,7 @@ class _Writer:
 
     def EmbedLayerNormalization(self):
         if attr(self.node, "mask_index_type", 1) != 1 or (self._out(1) and not self._in(7)):
-            return None  # a raw mask out, or a mask index of no mask: left (refused by name)
+            return self._left("mask_index_type other than 1, or a mask index of no mask")
         ids, segments, words, positions, segment_table = (self._in(i) for i in range(5))
         gamma, beta, mask, position_ids = (self._in(i) for i in (5, 6, 7, 8))
         terms = [self.op("Gather", [words, ids], axis=0)]
@@ -492,16 +499,16 @@ class _Writer:
             or any(node.output[2:])
             or attr(node, "past_present_share_buffer", 0)
         ):
-            return None  # a shared cache (its length), scores out: left (refused by name)
+            return self._left("a shared cache (its past length) or a scores output")
         if self._in(5) and _ort.version() < (1, 20):
             bias, x = self.shapes.get(self._in(5)), self.shapes.get(self._in(0))
             if not bias or not x or bias[0] is None or bias[0] != x[0]:
-                return None  # 1.19's kernel reads a bias broadcast over the batch otherwise
+                return self._left("a bias broadcast over the batch (onnxruntime 1.19)")
         past = self._in(4)  # (2, B, N, P, head): keys, values
         if past and self._in(3) and len(self.shapes.get(self._in(3)) or ()) != 2:
-            return None  # a mask index with a past state: left
+            return self._left("a mask index beside a past state")
         if attr(node, "do_rotary", 0) or attr(node, "qkv_hidden_sizes", None):
-            return None
+            return self._left("do_rotary or qkv_hidden_sizes")
         heads = attr(node, "num_heads")
         weight_shape = self.shapes.get(self._in(1))
         if not heads or weight_shape is None or weight_shape[-1] is None:
@@ -525,20 +532,20 @@ class _Writer:
         node = self.node
         past = (self._in(6), self._in(7))
         if any(self._in(i) for i in (8, 9)) or node.output[3:4] and node.output[3]:
-            return None  # a shared cache's length, beam indices, scores out: left
+            return self._left("a shared cache's length, beam indices or scores out")
         if any(past) and not all(past):
-            return None
+            return self._left("a past key without a past value, or the reverse")
         if any(past) and self._in(4) and len(self.shapes.get(self._in(4)) or ()) != 2:
-            return None  # a past state with lengths, not a raw (B, P + L) mask: left
+            return self._left("a key padding mask of lengths beside a past state")
         if (self._in(4) or self._in(5)) and _ort.version() < (1, 20):
             # onnxruntime 1.19's kernel reads a key padding mask and an
             # attention bias otherwise (its outputs differ from these ops').
-            return None
+            return self._left("a key padding mask or a bias (onnxruntime 1.19)")
         heads = attr(node, "num_heads")
         query, key, value = self._in(0), self._in(1), self._in(2)
         shape = self.shapes.get(query)
         if not heads or not key or not value or shape is None or len(shape) != 3 or not shape[2]:
-            return None  # packed QKV or KV, or unknown sizes
+            return self._left("packed query, key and value, or unknown sizes")
         if len(self.shapes.get(key) or ()) != 3:
             return None
         hidden = shape[2]
@@ -561,18 +568,18 @@ class _Writer:
     def GroupQueryAttention(self):
         node = self.node
         if self._in(9) and attr(node, "do_rotary", 0) and _ort.version() < (1, 31):
-            return None  # position ids: their reading is measured on 1.31's kernel only
+            return self._left("rotary position ids before onnxruntime 1.31")
         if any(node.input[12:]) or any(node.output[3:]) or not _plain_cache(node):
-            return None  # quantized or normed keys, a quantized cache, scores out: left
+            return self._left("key scales, norms, a quantized or window cache, scores out")
         window, softcap = attr(node, "local_window_size", -1), attr(node, "softcap", 0.0)
         causal, smooth = attr(node, "causal", 1), attr(node, "smooth_softmax", -1) > 0
         if window > 0 and (softcap or not causal):
-            return None  # the kernel windows the capped scores otherwise: left
+            return self._left("a local window beside a softcap or causal=0")
         newer = self._in(3) or any(node.input[10:12]) or window > 0 or smooth or not causal
         if newer and _ort.version() < (1, 20):
             # onnxruntime 1.19's kernel reads a past state and a window
             # otherwise, and has no bias, sinks, smooth softmax or causal=0
-            return None
+            return self._left("a past, window, causal=0, smooth softmax, bias or sinks (1.19)")
         heads, kv_heads = attr(node, "num_heads", 0), attr(node, "kv_num_heads", 0)
         query, key, value = self._in(0), self._in(1), self._in(2)
         shape = self.shapes.get(query)

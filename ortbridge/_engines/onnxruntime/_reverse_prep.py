@@ -20,6 +20,8 @@ from ortbridge._prepare._onnx_utils import attr, gradient_path
 from ortbridge._runtime import _ort
 from ortbridge.exceptions import MissingDependencyError, NotDifferentiableError
 
+from ._ad_rewrites_fused import LEFT_FUSED
+
 SEED_AXIS = "nadj"
 
 
@@ -80,8 +82,12 @@ def not_differentiable(exc: Exception, model: onnx.ModelProto) -> NotDifferentia
                 f"the onnxruntime engine cannot differentiate a node of op type {op_type} "
                 f"(the graph has {same}, the first is node {node!r}): {text}"
             )
+    # A fused node left as it is says which of its forms it has.
+    form = next((n.doc_string for n in model.graph.node if n.name == node), "")
+    form = f" ({form})" if form.startswith(LEFT_FUSED) else ""
     return NotDifferentiableError(
-        f"the onnxruntime engine cannot differentiate node {node!r} (op type {op_type}): {text}",
+        f"the onnxruntime engine cannot differentiate node {node!r} (op type {op_type})"
+        f"{form}: {text}",
         node=node,
         op_type=op_type,
     )
