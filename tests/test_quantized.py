@@ -73,8 +73,11 @@ _FORMS = {
     "per-tensor-uint8": dict(per_channel=False, activations="QUInt8"),
     "per-channel-uint8": dict(per_channel=True, activations="QUInt8"),
     "per-channel-int8": dict(per_channel=True, activations="QInt8"),
+    # uint8 weights (the quantizer's weight_type=QUInt8: a zero point off 0).
+    "per-tensor-uint8-weights": dict(per_channel=False, activations="QUInt8", weights="QUInt8"),
     # int4 weights: onnxruntime's contrib pairs (com.microsoft) before opset 21.
     "per-channel-int4": dict(per_channel=True, activations="QUInt8", weights="QInt4"),
+    "per-channel-uint4": dict(per_channel=True, activations="QUInt8", weights="QUInt4"),
     "qoperator-per-tensor-uint8": dict(fmt="QOperator", per_channel=False, activations="QUInt8"),
     "qoperator-per-channel-int8": dict(fmt="QOperator", per_channel=True, activations="QInt8"),
 }
@@ -248,7 +251,8 @@ def test_weights_and_biases_train_scales_stay_fixed(files, case):
     quantized = {
         i.name
         for i in onnx.load(files[case]).graph.initializer
-        if i.data_type in (T.INT8, T.UINT8, T.INT4, T.INT32) and i.name.endswith("_quantized")
+        if i.data_type in (T.INT8, T.UINT8, T.INT4, T.UINT4, T.INT32)
+        and i.name.endswith("_quantized")
     }
     # The residual network's head weight stays float: the exporter transposes
     # it, and the quantizer quantizes the transpose as an activation.
@@ -626,8 +630,12 @@ def test_a_published_weight_only_file_trains_as_its_float_twin_and_comes_back_in
     for name, p in trained.items():
         want = twin.onnx_weight(name).grad
         torch.testing.assert_close(p.grad, want, rtol=1e-3, atol=scaled_atol(1e-5, want))
-    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
-    optimizer.step()
+    target = torch.from_numpy(expected).roll(1, -1)  # a few steps lower a loss
+    layer.train()
+    assert_adam_lowers(
+        layer.parameters(), lambda: (layer(torch.from_numpy(x)) - target).pow(2).mean(), lr=1e-3
+    )
+    layer.eval()
     saved = tmp_path / "fine-tuned.onnx"
     _saved_in_its_form(layer, original, saved)
     with torch.no_grad():
@@ -679,7 +687,13 @@ def test_a_dynamically_quantized_file_trains_as_torch_fake_quantization(files, c
         want = reference.parameter(name).grad
         got = layer.onnx_weight(name).grad
         torch.testing.assert_close(got, want, rtol=1e-4, atol=scaled_atol(1e-5, want))
-    torch.optim.SGD(layer.parameters(), lr=0.5).step()
+    target = torch.from_numpy(expected) + cotangent  # a few steps lower a loss
+    assert_adam_lowers(
+        layer.parameters(),
+        lambda: (layer(torch.from_numpy(x)) - target).pow(2).mean(),
+        steps=5,
+        lr=0.05,
+    )
     saved = tmp_path / "fine-tuned.onnx"
     _saved_in_its_form(layer, onnx.load(path), saved)
     layer.eval()
