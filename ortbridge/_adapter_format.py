@@ -27,6 +27,7 @@ from torch.nn.utils import parametrize
 
 from ._module_weights import weight_array
 from ._prepare import with_weights
+from ._prepare._onnx_utils import FLOAT_TYPES, attr
 from ._prepare.quantized import quantized_weights
 from ._runtime import _ort
 from .exceptions import MissingDependencyError, OnnxInputError
@@ -205,21 +206,41 @@ def _branch_scale(inits: dict, adapter: str) -> onnx.TensorProto | None:
     return inits.get(f"{adapter.rsplit('.lora_', 1)[0]}.lora_scale")
 
 
-def four_bit_products(model: onnx.ModelProto, patterns) -> list[onnx.NodeProto]:
-    """The main graph's MatMulNBits nodes whose packed weight ``patterns`` match
-    (all where None) and that have no adapter beside them yet: weights no
-    update can be merged into, adapted beside."""
+def branch_products(model: onnx.ModelProto, patterns, quantized: bool = False) -> list:
+    """(node, weight name) of the main graph's products an adapter goes beside,
+    whose weight ``patterns`` match (all where None) and that have none yet:
+    4-bit ``MatMulNBits`` (their packed weight: no update can be merged into
+    it), and with ``quantized`` each ``MatMul`` or ``Gemm`` reading an integer
+    weight of two axes through a ``DequantizeLinear`` (the QLoRA form: the
+    integers stay, the adapters beside them float)."""
     import fnmatch
 
     adapted = side_adapters(model)
-    return [
-        node
+    integers = {
+        i.name
+        for i in model.graph.initializer
+        if i.data_type not in FLOAT_TYPES and len(i.dims) == 2
+    }
+    dequantized = {
+        node.output[0]: node.input[0]
         for node in model.graph.node
-        if node.op_type == "MatMulNBits"
-        and node.domain == "com.microsoft"
-        and f"{node.input[1]}.lora_A" not in adapted
-        and (not patterns or any(fnmatch.fnmatchcase(node.input[1], p) for p in patterns))
-    ]
+        if node.op_type == "DequantizeLinear" and node.input[0] in integers
+    }
+    found = []
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+            weight = node.input[1]
+        elif quantized and node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx"):
+            weight = dequantized.get(node.input[1])
+            if weight is None or attr(node, "transA", 0):
+                continue
+        else:
+            continue
+        if f"{weight}.lora_A" in adapted:
+            continue
+        if not patterns or any(fnmatch.fnmatchcase(weight, p) for p in patterns):
+            found.append((node, weight))
+    return found
 
 
 def side_adapters(model: onnx.ModelProto) -> set[str]:
@@ -231,18 +252,23 @@ def side_adapters(model: onnx.ModelProto) -> set[str]:
     }
 
 
-def with_side_adapters(model: onnx.ModelProto, nodes, rank: int, scale: float) -> list[str]:
-    """Put a low-rank branch beside each of ``nodes`` (MatMulNBits) in ``model``:
-    ``Y = MatMulNBits(X) + scale * (X @ A) @ B``, ``A`` (K, rank) drawn as
-    nn.Linear's weight is, ``B`` (rank, N) zeros, float initializers named
-    ``<packed weight>.lora_A`` / ``.lora_B``. In place; the adapters' names."""
+def with_side_adapters(model: onnx.ModelProto, products, rank: int, scale: float) -> list[str]:
+    """Put a low-rank branch beside each of ``products`` (:func:`branch_products`)
+    in ``model``: ``Y = product(X) + scale * (X @ A) @ B``, ``A`` (K, rank)
+    drawn as nn.Linear's weight is, ``B`` (rank, N) zeros, float initializers
+    named ``<weight>.lora_A`` / ``.lora_B``. In place; the adapters' names."""
     graph = model.graph
     types = {i.name: i.data_type for i in graph.initializer}
+    dims = {i.name: list(i.dims) for i in graph.initializer}
+    scales = {n.input[0]: n.input[1] for n in graph.node if n.op_type == "DequantizeLinear"}
     added = []
-    for node in nodes:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        k, n, packed = attrs["K"], attrs["N"], node.input[1]
-        elem = types.get(node.input[2], onnx.TensorProto.FLOAT)  # the scales' float type
+    for node, packed in products:
+        if node.op_type == "MatMulNBits":
+            k, n = attr(node, "K", 0), attr(node, "N", 0)
+            elem = types.get(node.input[2], onnx.TensorProto.FLOAT)  # the scales' float type
+        else:  # the integers' (K, N), or (N, K) under a Gemm's transB
+            k, n = dims[packed][::-1] if attr(node, "transB", 0) else dims[packed]
+            elem = types.get(scales.get(packed, ""), onnx.TensorProto.FLOAT)
         dtype = helper.tensor_dtype_to_np_dtype(elem)
         a = torch.empty(rank, k)
         torch.nn.init.kaiming_uniform_(a, a=5**0.5)  # as LowRank's A (rank, K)

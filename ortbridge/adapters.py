@@ -71,6 +71,7 @@ def lora(
     alpha: float | None = None,
     names: str | list[str] | None = None,
     freeze: bool = True,
+    beside_quantized: bool = False,
 ) -> list[nn.Parameter]:
     """Put a :class:`~ortbridge.adapters.LowRank` update on the product weights of ``module``.
 
@@ -95,6 +96,13 @@ def lora(
     freeze
         Freeze every ONNX weight of the module (``requires_grad=False``), so
         that only the adapters train.
+    beside_quantized
+        A quantized file's products (a ``MatMul`` or ``Gemm`` reading an
+        integer weight through a ``DequantizeLinear``) get their update
+        beside them too, as 4-bit ones do (QLoRA): the file's integers stay
+        as they are and ``save()`` writes the float branches with them.
+        Default: the update merges into the weight under the file's fake
+        quantization, and ``save()`` rounds the merged weight to its integers.
 
     Returns
     -------
@@ -112,11 +120,12 @@ def lora(
         raise TypeError(f"lora() adapts OnnxModule weights; {type(module).__name__} holds none")
     # What each layer adapts, found before anything changes: a call that
     # matches nothing leaves the module as it was.
-    planned = [
-        (layer, _float_products(layer, patterns),
-         bool(_adapter_format.four_bit_products(layer._original, patterns)))
-        for layer in layers
-    ]  # fmt: skip
+    planned = []
+    for layer in layers:
+        side = _adapter_format.branch_products(layer._original, patterns, beside_quantized)
+        beside = {weight for _, weight in side}
+        merged = [n for n in _float_products(layer, patterns) if n not in beside]
+        planned.append((layer, merged, bool(side)))
     if not any(names or four_bit for _, names, four_bit in planned):
         raise ValueError(
             f"no product weight matched {patterns}: see OnnxModule.named_onnx_parameters()"
@@ -124,7 +133,7 @@ def lora(
             else "no MatMul, Gemm or Conv reads a weight of the module's graphs"
         )
     for layer, names, four_bit in planned:
-        beside = _side_adapters(layer, patterns, rank, scale) if four_bit else []
+        beside = _side_adapters(layer, patterns, rank, scale, beside_quantized) if four_bit else []
         if freeze:
             for name, param in layer.named_onnx_parameters():
                 param.requires_grad_(name in beside)
@@ -162,17 +171,18 @@ def _float_products(layer, patterns) -> list[str]:
     return found
 
 
-def _side_adapters(layer, patterns, rank: int, scale: float) -> list[str]:
+def _side_adapters(layer, patterns, rank: int, scale: float, quantized: bool) -> list[str]:
     """Low-rank branches beside the layer's 4-bit products (MatMulNBits), whose
-    packed integers no update can be merged into: the layer is rebuilt on its
+    packed integers no update can be merged into, and with ``quantized`` its
+    int8 ones (:func:`._adapter_format.branch_products`): the layer is rebuilt on its
     file with the branches in it (their ``A`` and ``B`` trainable float
     weights, ``save()`` writing them as they are; hooks registered on the
     layer before are dropped). The adapters' names."""
     from . import _adapter_format
 
     model = layer.to_onnx()
-    nodes = _adapter_format.four_bit_products(model, patterns)
-    added = _adapter_format.with_side_adapters(model, nodes, rank, scale)
+    products = _adapter_format.branch_products(model, patterns, quantized)
+    added = _adapter_format.with_side_adapters(model, products, rank, scale)
     trainable = {name for name, _ in layer.named_onnx_parameters()} | set(added)
     held = next(itertools.chain(layer.parameters(), layer.buffers()), None)
     device = held.device if held is not None else torch.device("cpu")

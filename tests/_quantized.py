@@ -106,6 +106,17 @@ class FakeQuantized(torch.nn.Module):
     def parameter(self, onnx_name: str) -> torch.nn.Parameter:
         return self.weights[self._names[onnx_name]]
 
+    def train_float(self, onnx_name: str) -> torch.nn.Parameter:
+        """Make the file's float initializer ``onnx_name`` a parameter (a LoRA
+        branch's adapter beside the integers); returned."""
+        self._add(onnx_name, self.consts[onnx_name])
+        return self.parameter(onnx_name)
+
+    def _const(self, onnx_name: str) -> torch.Tensor:
+        if onnx_name in self._names:  # a float initializer made a parameter
+            return self.parameter(onnx_name)
+        return torch.from_numpy(self.consts[onnx_name])
+
     def _params(self, node):
         scale = self.consts[node.input[1]]
         zero = self.consts[node.input[2]] if len(node.input) > 2 else np.zeros_like(scale, np.uint8)
@@ -186,7 +197,7 @@ class FakeQuantized(torch.nn.Module):
                 continue
             if op == "Mul" and any(env.get(i, 0) is None for i in ins):
                 continue  # the activation's scale times the weight's: unread here
-            x = [env[n] if n in env else torch.from_numpy(self.consts[n]) for n in ins if n]
+            x = [env[n] if n in env else self._const(n) for n in ins if n]
             env[node.output[0]] = self._run(op, a, x)
         return tuple(env[o.name] for o in self.graph.output)
 

@@ -898,6 +898,83 @@ def test_lora_on_a_quantized_file_trains_adapters_and_saves_them_merged_as_int8(
         assert not (tmp_path / "base.onnx").exists()
 
 
+def test_lora_beside_int8_products_trains_float_adapters_and_saves_them_beside(files, tmp_path):
+    """``beside_quantized=True`` (QLoRA): each int8 product gets a float branch
+    ``scale * (x @ A) @ B`` beside it; the integers stay as the file has them,
+    the adapters train as torch's fake-quantized file with the same branch
+    does, and ``save()`` writes the int8 file with the float branches."""
+    import ortbridge
+
+    path = files["mlp", "per-channel-int8"]
+    original = onnx.load(path)
+    layer = OnnxModule(path)
+    adapters = ortbridge.lora(layer, rank=2, beside_quantized=True)
+    trained = {n for n, p in layer.named_onnx_parameters() if p.requires_grad}
+    assert trained == {f"{w}.lora_{s}" for w in _int8_weights(original) for s in "AB"}
+    assert len(adapters) == 4
+    x = torch.from_numpy(_input("mlp"))
+    with torch.no_grad():
+        start = layer(x)
+        for name in trained:  # B starts at zero: a branch of its own to compare
+            if name.endswith(".lora_B"):
+                layer.onnx_weight(name).normal_(
+                    0.0, 0.2, generator=torch.Generator().manual_seed(0)
+                )
+    branched = tmp_path / "branched.onnx"
+    layer.save(branched)
+    reference = FakeQuantized(str(branched))
+    twins = {name: reference.train_float(name) for name in trained}
+    x1, x2 = (x.clone().requires_grad_() for _ in range(2))
+    y1, y2 = layer(x1), reference(x2)[0]
+    torch.testing.assert_close(y1, y2, rtol=1e-4, atol=scaled_atol(1e-5, y2))
+    assert (y1 - start).abs().max() > 1e-3  # the branch moves the output
+    cotangent = torch.randn(y1.shape, generator=torch.Generator().manual_seed(1))
+    (y1 * cotangent).sum().backward()
+    (y2 * cotangent).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=scaled_atol(1e-5, x2.grad))
+    for name in trained:
+        want = twins[name].grad
+        torch.testing.assert_close(
+            layer.onnx_weight(name).grad, want, rtol=1e-4, atol=scaled_atol(1e-5, want)
+        )
+    target = start + 0.3 * start.std()
+    losses = _fit(layer, adapters, lambda m: F.mse_loss(m(x), target), 10, 2e-2)
+    assert losses[-1] < losses[0], losses
+    saved = tmp_path / "qlora.onnx"
+    layer.save(saved)
+    after = onnx.load(saved)
+    before = {i.name: onnx.numpy_helper.to_array(i) for i in original.graph.initializer}
+    for init in after.graph.initializer:  # the file's integers and scales as they were
+        if init.name in before and init.data_type != onnx.TensorProto.FLOAT:
+            np.testing.assert_array_equal(onnx.numpy_helper.to_array(init), before[init.name])
+    ops = collections.Counter(n.op_type for n in after.graph.node)
+    want_ops = collections.Counter(n.op_type for n in original.graph.node)
+    want_ops.update({"MatMul": 4, "Mul": 2, "Add": 2})  # two branches
+    assert ops == want_ops, ops
+    layer.eval()
+    with torch.no_grad():
+        mine = layer(x).numpy()
+    theirs = onnxruntime.InferenceSession(str(saved)).run(None, {"x": x.numpy()})[0]
+    assert np.abs(mine - theirs).max() <= _output_step(path) * 1.001
+    if _ort.has_training():  # the adapter format needs maintained onnxruntime
+        return
+    # The adapters kept apart: the int8 base file reads them as inputs
+    # (zeros by default: the file as it was), onnxruntime's adapter format.
+    from ortbridge.adapters import save_adapters
+
+    base, adapter = tmp_path / "base.onnx", tmp_path / "qlora.onnx_adapter"
+    save_adapters(layer, base, adapter)
+    session = onnxruntime.InferenceSession(str(base))
+    plain = session.run(None, {"x": x.numpy()})[0]
+    np.testing.assert_allclose(plain, start.numpy(), atol=_output_step(path) * 1.001)
+    options = onnxruntime.RunOptions()
+    loaded = onnxruntime.LoraAdapter()
+    loaded.Load(str(adapter))
+    options.add_active_adapter(loaded)
+    served = session.run(None, {"x": x.numpy()}, options)[0]
+    assert np.abs(served - mine).max() <= _output_step(path) * 1.001
+
+
 #: A published dynamic-int8 file with three com.microsoft DynamicQuantizeLSTM
 #: layers and four MatMulInteger: open-voicefilter-lite's mask estimator.
 _VOICEFILTER = (
