@@ -306,6 +306,18 @@ if _ort.version() >= (1, 20):
          " ": np.zeros(0, np.float32), "attention_bias": _random(1, 2, 4, 4, seed=30)},
         ["y"], num_heads=2, unidirectional=1,
     )  # fmt: skip
+    # A shared cache: the past buffer of 6 holds 3 keys, the 2 new ones
+    # are written after them in place, the keys after those unread.
+    CASES["multi_head_attention_shared_cache"] = lambda: _case(
+        "multi_head_attention_shared_cache", "MultiHeadAttention",
+        {"q": _random(2, 2, 16, seed=45), "k": _random(2, 2, 16, seed=46),
+         "v": _random(2, 2, 16, seed=47), "": np.zeros(0, np.float32),
+         " ": np.zeros(0, np.int32), "  ": np.zeros(0, np.float32),
+         "past_key": _random(2, 2, 6, 8, seed=48), "past_value": _random(2, 2, 6, 8, seed=49),
+         "past_sequence_length": np.array(3, np.int32)},
+        ["y", "present_key", "present_value"], (T.FLOAT, T.FLOAT), num_heads=2,
+        unidirectional=1,
+    )  # fmt: skip
     CASES["group_query_attention_window"] = lambda: _gqa_padded("window", local_window_size=2)
     CASES["group_query_attention_smooth"] = lambda: _gqa_padded("smooth", smooth_softmax=1)
     CASES["group_query_attention_noncausal"] = lambda: _gqa_padded("noncausal", causal=0)

@@ -531,10 +531,12 @@ class _Writer:
     def MultiHeadAttention(self):
         node = self.node
         past = (self._in(6), self._in(7))
-        if any(self._in(i) for i in (8, 9)) or node.output[3:4] and node.output[3]:
-            return self._left("a shared cache's length, beam indices or scores out")
+        if self._in(9) or node.output[3:4] and node.output[3]:
+            return self._left("beam indices or a scores output")
         if any(past) and not all(past):
             return self._left("a past key without a past value, or the reverse")
+        if self._in(8) and (not all(past) or self._in(4) or self._in(5)):
+            return self._left("a shared cache's length without a past, or beside a mask or bias")
         if any(past) and self._in(4) and len(self.shapes.get(self._in(4)) or ()) != 2:
             return self._left("a key padding mask of lengths beside a past state")
         if (self._in(4) or self._in(5)) and _ort.version() < (1, 20):
@@ -561,8 +563,9 @@ class _Writer:
             penalties.append(self._in(5))  # (B or 1, N, S, T): added as it is
         if any(past):
             return self._attend(
-                query, key, value, heads, hidden, penalties, past, (self._out(1), self._out(2))
-            )
+                query, key, value, heads, hidden, penalties, past, (self._out(1), self._out(2)),
+                self._in(8),
+            )  # fmt: skip
         return self._attend(query, key, value, heads, hidden, penalties)
 
     def GroupQueryAttention(self):
@@ -705,20 +708,27 @@ class _Writer:
 
     def _present(self, state: str, new: str) -> str:
         """(B, N, max(P, total), head): row b's past keys, its new ones after
-        them, zeros after those (one gather from the past, the new and a zero row)."""
-        query = self._in(0)
-        pasts = self._row_pasts(query)  # (B, 1)
-        buffer, count = self._shape_part(state, 2), self._shape_part(new, 2)
+        them, zeros after those."""
+        buffer = self._shape_part(state, 2)
         total = self.op("Cast", [self._flat(self._in(6))], to=TensorProto.INT64)
         length = self.op("Max", [buffer, total])
+        return self._written(state, new, self._row_pasts(self._in(0)), length)
+
+    def _written(self, state, new, pasts, length, keep_past: bool = False) -> str:
+        """(B, N, length, head): the new keys written into the past buffer
+        ``state`` after each row's ``pasts`` (B or 1, 1) keys; after them zeros,
+        or (``keep_past``) the buffer as it was. One gather from the past, the
+        new keys and a zero row."""
+        buffer, count = self._shape_part(state, 2), self._shape_part(new, 2)
         j = self.op("Unsqueeze", [self._positions_to(length), self._axes([0])])  # (1, T)
         offset = self.op("Sub", [j, pasts])  # (B, T): the new key's index
         is_past = self.op("Less", [j, pasts])
         is_new = self.op("And", [self.op("Not", [is_past]), self.op("Less", [offset, count])])
+        old = self.op("Not", [is_new]) if keep_past else is_past
         zero_row = self.op("Add", [buffer, count])
         index = self.op(
             "Where",
-            [is_past, j, self.op("Where", [is_new, self.op("Add", [offset, buffer]), zero_row])],
+            [is_new, self.op("Add", [offset, buffer]), self.op("Where", [old, j, zero_row])],
         )  # (B, T) into the past, the new keys and a zero row, joined
         zeros = self.op("Mul", [self._slice_axis(new, 2, 0, 1), self.const(0.0)])
         joined = self.op("Concat", [state, new, zeros], axis=2)
@@ -771,11 +781,13 @@ class _Writer:
         )
         return names
 
-    def _attend(self, q, k, v, heads, hidden, penalties, past=(), present=()):
+    def _attend(self, q, k, v, heads, hidden, penalties, past=(), present=(), shared=""):
         """``softmax(Q K^T * scale + penalties [+ causal]) V`` over ``heads``
         heads, as (B, S, hidden); ``past``: the key and value states (B, N,
         P, head) before the new ones, the concatenations written to
-        ``present`` (two names, or one: Attention's, stacked)."""
+        ``present`` (two names, or one: Attention's, stacked). ``shared``: the
+        past's length in a buffer of P (MultiHeadAttention's shared cache):
+        the new keys written there, the keys after them masked."""
         if any(p is None for p in penalties):
             return None
         size = hidden // heads
@@ -784,9 +796,19 @@ class _Writer:
         q, k, v = (self.op("Reshape", [n, heads_shape]) for n in (q, k, v))
         q = self.op("Transpose", [q], perm=[0, 2, 1, 3])
         v = self.op("Transpose", [v], perm=[0, 2, 1, 3])
-        if past:
+        written = None
+        if shared:  # (1, 1): every row's past length
+            lengths = self.op("Reshape", [shared, self._axes([1, 1])])
+            written = self.op("Cast", [lengths], to=TensorProto.INT64)
+            k = self.op("Transpose", [k], perm=[0, 2, 1, 3])
+            k, v = (
+                self._written(state, t, written, self._shape_part(state, 2), keep_past=True)
+                for state, t in zip(past, (k, v))
+            )
+        elif past:
             k = self.op("Concat", [past[0], self.op("Transpose", [k], perm=[0, 2, 1, 3])], axis=2)
             v = self.op("Concat", [past[1], v], axis=2)
+        if past:
             if len(present) == 1 and present[0]:  # Attention's: the two stacked
                 stacked = [self.op("Unsqueeze", [t, self._axes([0])]) for t in (k, v)]
                 self.op("Concat", stacked, present[0], axis=0)
@@ -797,8 +819,13 @@ class _Writer:
         else:
             k = self.op("Transpose", [k], perm=[0, 2, 3, 1])
         scores = self.op("Mul", [self.op("MatMul", [q, k]), self.const(scale)])
+        if written is not None:  # keys past the new ones: not computed by the kernel
+            after = self.op("Add", [written, self._shape_part(q, 2)])
+            beyond = self.op("Less", [self._positions(scores, 3), self._flat(after)])
+            penalties = [*penalties, self.op("Where", [beyond, self.const(0.0), self.const(-1e30)])]
         if attr(self.node, "unidirectional", 0):
-            penalties = [*penalties, self._causal_penalty(scores)]
+            offset = None if written is None else self._flat(written)
+            penalties = [*penalties, self._causal_penalty(scores, offset)]
         for penalty in penalties:
             scores = self.op("Add", [scores, penalty])
         probs = self.op("Softmax", [scores], axis=-1)
@@ -806,22 +833,26 @@ class _Writer:
         self.op("Reshape", [context, self._axes([0, 0, hidden])], self._out(0))
         return self.out
 
-    def _causal_penalty(self, scores: str) -> str:
+    def _causal_penalty(self, scores: str, offset: str | None = None) -> str:
         """``mask_filter_value`` where a key comes after its query, as (S, T)."""
         fill = self.const(attr(self.node, "mask_filter_value", -10000.0))
-        return self.op("Where", [self._causal_keep(scores), self.const(0.0), fill])
+        return self.op("Where", [self._causal_keep(scores, offset=offset), self.const(0.0), fill])
 
-    def _causal_keep(self, scores: str, window: int | None = None) -> str:
+    def _causal_keep(self, scores: str, window: int | None = None, offset=None) -> str:
         """(S, T): key ``j`` for query ``i`` where ``j <= i + T - S`` (the queries
-        the last S of T positions, after a past state), and with a ``window``
-        ``j > i + T - S - window`` (the query's own key and ``window - 1`` before)."""
+        the last S of T positions, after a past state; ``offset``: one int64
+        for ``T - S``), and with a ``window`` ``j > i + T - S - window`` (the
+        query's own key and ``window - 1`` before)."""
         shape = self.op("Shape", [scores])
         square = self.op("Slice", [shape, self._axes([2]), self._axes([4])])
         ones = self.op(
             "ConstantOfShape", [square], value=numpy_helper.from_array(np.ones(1, np.int64))
         )
-        sizes = [self.op("Gather", [shape, self._int(axis)], axis=0) for axis in (3, 2)]
-        offset = self.op("Sub", sizes)
+        if offset is None:
+            sizes = [self.op("Gather", [shape, self._int(axis)], axis=0) for axis in (3, 2)]
+            offset = self.op("Sub", sizes)
+        else:
+            offset = self.op("Squeeze", [offset, self._axes([0])])
         kept = self.op("Trilu", [ones, offset], upper=0)
         if window is not None:
             start = self.op("Sub", [offset, self._int(window - 1)])
