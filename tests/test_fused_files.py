@@ -589,7 +589,8 @@ def test_a_float16_cnn_trains_as_its_float32_twin_and_the_agent_refuses_its_pool
 
 
 _ARCHITECTURES = {
-    "gpt2": "gpt2", "vit": "vit", "llama": "gpt2", "t5-encoder": "t5", "clip-vision": "clip",
+    "bert": "bert", "gpt2": "gpt2", "vit": "vit", "llama": "gpt2", "t5-encoder": "t5",
+    "clip-vision": "clip",
 }  # fmt: skip
 
 
