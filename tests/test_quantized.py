@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import re
 import warnings
 
 import numpy as np
@@ -977,6 +978,95 @@ def test_lora_beside_int8_products_trains_float_adapters_and_saves_them_beside(f
 
 #: A published dynamic-int8 file with three com.microsoft DynamicQuantizeLSTM
 #: layers and four MatMulInteger: open-voicefilter-lite's mask estimator.
+def test_a_quantized_weight_of_a_form_not_read_is_named_not_frozen_silently(files, tmp_path):
+    """A ``ConvInteger`` whose product is rescaled in a form the lift does not
+    read (an ``Identity`` before its Cast, here) keeps its integer weight:
+    the module says so, naming it and the node; the other weights train."""
+    model = onnx.load(files["cnn", "dynamic"])
+    graph = model.graph
+    conv = next(n for n in graph.node if n.op_type == "ConvInteger")
+    reader = next(n for n in graph.node if conv.output[0] in n.input)
+    moved = f"{conv.output[0]}_moved"
+    reader.input[list(reader.input).index(conv.output[0])] = moved
+    graph.node.insert(list(graph.node).index(conv) + 1,
+                      onnx.helper.make_node("Identity", [conv.output[0]], [moved]))  # fmt: skip
+    path = str(tmp_path / "unread.onnx")
+    onnx.save(model, path)
+    weight = conv.input[1]
+    with pytest.warns(UserWarning, match=rf"1 quantized weights stay frozen.*'{re.escape(weight)}'"
+                      rf".*node '{re.escape(conv.name)}', op type ConvInteger"):  # fmt: skip
+        layer = OnnxModule(path, backend="onnxruntime")
+    trained = {n for n, _ in layer.named_onnx_parameters()}
+    assert weight not in trained and trained  # the others train
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the file as written: nothing to say
+        OnnxModule(files["cnn", "dynamic"], backend="onnxruntime")
+
+
+#: A published dynamically quantized CRNN: ddddocr's captcha recogniser (21
+#: ConvInteger, a MatMulInteger and a bidirectional DynamicQuantizeLSTM, by
+#: onnx's older quantizer: each product's bias added in int32, the float bias
+#: divided by the product's scale and floored at run time).
+_DDDDOCR = ("ddddocr", "1.0.6", "ddddocr/common.onnx")
+
+
+def test_a_published_int8_crnn_with_int32_bias_adds_trains_every_weight(tmp_path):
+    """Every integer weight and float bias trains (before, the convolutions'
+    form was not read: 21 weights frozen without a word); a loss falls; the
+    saved file keeps its integer nodes and runs as the module. The module
+    reads each product in float and each bias unrounded: the first
+    convolution's output is within the bias's rounding of the file's (2e-4),
+    and each layer's dynamic quantization of its input moves an activation
+    at a rounding boundary by a step, so 21 layers on the logits differ by
+    about 1% of their largest (measured 1.1%). The file ends in ArgMax
+    (character indices): the test reads the logits before it, as a
+    fine-tuning would."""
+    from ortbridge.examples import published_file
+
+    original = onnx.load(published_file(*_DDDDOCR))
+    argmax = next(n for n in original.graph.node if n.op_type == "ArgMax")
+    logits, indices = argmax.input[0], argmax.output[0]
+    kept = [n for n in original.graph.node if n is not argmax and indices not in n.input]
+    del original.graph.node[:]
+    original.graph.node.extend(kept)
+    del original.graph.output[:]
+    original.graph.output.append(onnx.helper.make_tensor_value_info(logits, T.FLOAT, None))
+    path = str(tmp_path / "captcha.onnx")
+    onnx.save(original, path)
+    products = [n for n in original.graph.node if n.op_type in ("ConvInteger", "MatMulInteger")]
+    biases = {
+        n.input[0] for n in original.graph.node if n.op_type == "Div" and n.input[0] in
+        {i.name for i in original.graph.initializer if i.data_type == T.FLOAT}
+    }  # fmt: skip
+    layer = OnnxModule(path)
+    trained = dict(layer.named_onnx_parameters())
+    assert len(products) == 22 and {n.input[1] for n in products} <= set(trained)
+    assert len(biases) == 21 and biases <= set(trained)  # the convolutions'; the head has none
+    x = np.random.default_rng(0).random((1, 1, 64, 96)).astype(np.float32)
+    expected = onnxruntime.InferenceSession(path).run(None, {"input1": x})[0]
+    layer.eval()
+    with torch.no_grad():
+        start = layer(torch.from_numpy(x)).numpy()
+    assert np.abs(start - expected).max() < 0.03 * np.abs(expected).max()
+    layer.train()
+    target = torch.from_numpy(expected).roll(1, -1)
+    assert_adam_lowers(
+        layer.parameters(), lambda: (layer(torch.from_numpy(x)) - target).pow(2).mean(), lr=2e-5
+    )
+    for name in [n.input[1] for n in products[:21]] + sorted(biases):
+        grad = trained[name].grad
+        assert grad is not None and grad.abs().max() > 0, name
+    saved = tmp_path / "fine-tuned.onnx"
+    _saved_in_its_form(layer, original, saved)
+    layer.eval()
+    with torch.no_grad():
+        mine = layer(torch.from_numpy(x)).numpy()
+    theirs = onnxruntime.InferenceSession(str(saved)).run(None, {"input1": x})[0]
+    assert np.abs(mine - start).max() > 1e-3
+    assert np.abs(theirs - expected).max() > 1e-3  # the file moved too
+    assert np.abs(mine - theirs).max() < 0.03 * np.abs(theirs).max()  # as at the start
+
+
 _VOICEFILTER = (
     "open-voicefilter-lite", "0.2.0", "voicefilter_lite/models/voicefilter_lite.int8.onnx"
 )  # fmt: skip

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx
 import onnx.version_converter
@@ -25,7 +27,7 @@ from ._lookup import _all_names, _infer, _unique
 from ._onnx_utils import FLOAT_TYPES, np_dtype, topological
 from ._sequences import sequences_as_tensors
 from ._weights import lift_constant_weights
-from .quantized import lift_quantized_weights
+from .quantized import lift_quantized_weights, unread_integer_weights
 
 
 def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.ModelProto:
@@ -87,7 +89,7 @@ def normalize(model: onnx.ModelProto, wrong_shapes: list | None = None) -> onnx.
     lift_constant_weights(model)
     older_forms_rewritten(model)
     model = _at_least_opset(model, MIN_OPSET)
-    lift_quantized_weights(model)
+    _warn_unread(model, lift_quantized_weights(model))
     model = sequences_as_tensors(model, loops=False)
     replaced = declarations_as_computed(model)
     if wrong_shapes is not None:
@@ -241,3 +243,18 @@ def _producers_first(model: onnx.ModelProto) -> None:
             copy.CopyFrom(node)
         del model.graph.node[:]
         model.graph.node.extend(copies)
+
+
+def _warn_unread(model: onnx.ModelProto, lifted) -> None:
+    """Name the quantized weights no form read (they stay frozen, unlike the
+    rest): never a weight frozen without a word."""
+    unread = unread_integer_weights(model, set(lifted))
+    if unread:
+        name, node = next(iter(unread.items()))
+        warnings.warn(
+            f"{len(unread)} quantized weights stay frozen as the file holds them: their "
+            f"form is not one ortbridge reads as a quantized weight ({sorted(unread)[:5]}; "
+            f"{name!r} is read by node {node.name!r}, op type {node.op_type}); the other "
+            "weights train (python -m ortbridge inspect lists what trains)",
+            stacklevel=4,
+        )

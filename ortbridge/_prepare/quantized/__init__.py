@@ -18,6 +18,7 @@ from ._lift import (
     quantized_weights,
     recurrent_weights,
     requantized,
+    unread_integer_weights,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "quantized_weights",
     "recurrent_weights",
     "requantized",
+    "unread_integer_weights",
 ]

@@ -46,7 +46,13 @@ def _matches(model: onnx.ModelProto):
             continue
         if node.input[1] not in inits or (len(node.input) > 3 and node.input[3] not in inits):
             continue
-        cast = _only_reader(readers, node.output[0], "Cast")
+        # onnx's older quantizer adds the bias in int32 first: the float bias
+        # divided by the product's scale, floored (read here as the float bias)
+        add = _only_reader(readers, node.output[0], "Add")
+        bias = _rounded_bias(add, node.output[0], producer, inits) if add is not None else ""
+        if bias is None:
+            continue
+        cast = _only_reader(readers, (add or node).output[0], "Cast")
         mul = _only_reader(readers, cast.output[0], "Mul") if cast is not None else None
         if mul is None:
             continue
@@ -56,7 +62,26 @@ def _matches(model: onnx.ModelProto):
         weight_scale = next((i for i in scales.input if i != dynamic.output[1]), "")
         axis = _weight_axis(node, inits, weight_scale)
         if axis is not False:
-            yield node, cast, mul, dynamic, weight_scale, axis
+            yield node, cast, mul, dynamic, weight_scale, axis, add, bias
+
+
+def _rounded_bias(add, product: str, producer, inits) -> str | None:
+    """The float bias initializer an integer ``Add`` adds to ``product`` as
+    ``Cast(Floor(bias / scale))`` (reshaped or not); None for another form."""
+    other = next((i for i in add.input if i != product), "")
+    node = producer.get(other)
+    if node is not None and node.op_type == "Reshape":
+        node = producer.get(node.input[0])
+    chain = []
+    for op in ("Cast", "Floor", "Div"):
+        if node is None or node.op_type != op:
+            return None
+        chain.append(node)
+        node = producer.get(node.input[0])
+    bias = chain[-1].input[0]
+    if bias not in inits or len(inits[bias].dims) != 1:
+        return None
+    return bias
 
 
 def _weight_axis(node: onnx.NodeProto, inits, weight_scale: str) -> int | None | bool:
@@ -170,7 +195,7 @@ def dynamic_as_pairs(model: onnx.ModelProto) -> None:
     graph = model.graph
     taken = _all_names(graph)
     dropped, replaced = set(), {}
-    for node, cast, mul, dynamic, weight_scale, axis in found:
+    for node, cast, mul, dynamic, weight_scale, axis, add, bias in found:
         base = node.name or node.output[0]
         a, w = _unique(f"{base}/a_dequantized", taken), _unique(f"{base}/w_dequantized", taken)
         a_inputs = [node.input[0], dynamic.output[1]] + (
@@ -180,14 +205,25 @@ def dynamic_as_pairs(model: onnx.ModelProto) -> None:
             [node.input[3]] if len(node.input) > 3 and node.input[3] else []
         )
         attrs = {a_.name: helper.get_attribute_value(a_) for a_ in node.attribute}
+        float_op = _FLOAT_OPS[node.op_type]
+        out = mul.output[0]
         replaced[id(node)] = [
             helper.make_node("DequantizeLinear", a_inputs, [a], a),
             helper.make_node(
                 "DequantizeLinear", w_inputs, [w], w, **({} if axis is None else {"axis": axis})
             ),
-            helper.make_node(_FLOAT_OPS[node.op_type], [a, w], [mul.output[0]], base, **attrs),
         ]
-        dropped.update({id(cast), id(mul)})
+        if bias and float_op == "Conv":  # the float bias itself (its rounding: a tiny step)
+            replaced[id(node)].append(helper.make_node("Conv", [a, w, bias], [out], base, **attrs))
+        elif bias:
+            product = _unique(f"{base}/product", taken)
+            replaced[id(node)] += [
+                helper.make_node(float_op, [a, w], [product], base, **attrs),
+                helper.make_node("Add", [product, bias], [out], _unique(f"{base}/bias", taken)),
+            ]
+        else:
+            replaced[id(node)].append(helper.make_node(float_op, [a, w], [out], base, **attrs))
+        dropped.update({id(cast), id(mul)} | ({id(add)} if add is not None else set()))
     nodes = []
     for n in graph.node:
         if id(n) in dropped:

@@ -306,6 +306,29 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
     return sorted(found)
 
 
+#: Where an operator reads a quantized weight's integers (op type -> slots).
+_INTEGER_WEIGHT_SLOTS = {
+    "DequantizeLinear": (0,), "ConvInteger": (1,), "MatMulInteger": (1,), "QLinearConv": (3,),
+    "QLinearMatMul": (3,), "QGemm": (3,), "DynamicQuantizeLSTM": (1, 2),
+}  # fmt: skip
+
+
+def unread_integer_weights(model: onnx.ModelProto, lifted) -> dict[str, onnx.NodeProto]:
+    """Integer initializers ``model`` reads as a quantized weight that were not
+    ``lifted`` (a form the lift does not read), with a node reading each: they
+    stay frozen as the file holds them."""
+    integers = {
+        i.name for i in model.graph.initializer if i.data_type not in FLOAT_TYPES and i.dims
+    }
+    out = {}
+    for node in model.graph.node:
+        for slot in _INTEGER_WEIGHT_SLOTS.get(node.op_type, ()):
+            name = node.input[slot] if len(node.input) > slot else ""
+            if name in integers and name not in lifted:
+                out.setdefault(name, node)
+    return out
+
+
 def _lstm_weights_quantized(node, found, graph, dims, taken) -> list[onnx.NodeProto]:
     """A ``DynamicQuantizeLSTM`` reading its lifted weights' ``QuantizeLinear``
     (its kernel takes the integers; the engine differentiates it as ONNX's LSTM
