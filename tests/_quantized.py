@@ -12,6 +12,7 @@ quantization-aware training defines them).
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -101,7 +102,7 @@ class FakeQuantized(torch.nn.Module):
     def _add(self, onnx_name, value):
         key = f"w{len(self._names)}"
         self._names[onnx_name] = key
-        self.weights[key] = torch.nn.Parameter(torch.from_numpy(value.astype(np.float32)))
+        self.weights[key] = torch.nn.Parameter(torch.from_numpy(np.asarray(value, np.float32)))
 
     def parameter(self, onnx_name: str) -> torch.nn.Parameter:
         return self.weights[self._names[onnx_name]]
@@ -145,8 +146,14 @@ class FakeQuantized(torch.nn.Module):
                 int(info.max), 1.0,
             )  # fmt: skip
         if scale.size == 1:
+            # A masked score (float32's lowest) overflows x / scale to -inf, which
+            # torch's kernel makes NaN; onnxruntime saturates: clamp it first, a
+            # step past the range (the same values and gradients either way).
+            step, offset = float(scale.reshape(())), int(zero.reshape(()))
+            low, high = (int(info.min) - offset - 1) * step, (int(info.max) - offset + 1) * step
+            x = x.clamp(low, high)
             return torch.fake_quantize_per_tensor_affine(
-                x, float(scale.reshape(())), int(zero.reshape(())), int(info.min), int(info.max)
+                x, step, offset, int(info.min), int(info.max)
             )
         return torch.fake_quantize_per_channel_affine(
             x, torch.from_numpy(scale.astype(np.float32)),
@@ -229,16 +236,28 @@ class FakeQuantized(torch.nn.Module):
         simple = {
             "Relu": lambda: torch.relu(x[0]), "Add": lambda: x[0] + x[1],
             "Mul": lambda: x[0] * x[1], "MatMul": lambda: x[0] @ x[1],
-            "Sigmoid": lambda: torch.sigmoid(x[0]), "Flatten": lambda: x[0].flatten(1),
+            "Sigmoid": lambda: torch.sigmoid(x[0]),
+            "Flatten": lambda: _flatten(x[0], a.get("axis", 1)),
             "GlobalAveragePool": lambda: x[0].mean((2, 3), keepdim=True),
             "MaxPool": lambda: F.max_pool2d(x[0], a["kernel_shape"], a.get("strides")),
             "AveragePool": lambda: F.avg_pool2d(x[0], a["kernel_shape"], a.get("strides")),
             "LeakyRelu": lambda: F.leaky_relu(x[0], a.get("alpha", 0.01)),
             "Concat": lambda: torch.cat(x, a["axis"]),
-            "Unsqueeze": lambda: x[0].unsqueeze(int(x[1].reshape(-1)[0])),
+            "Unsqueeze": lambda: _unsqueeze(x[0], x[1]),
             "Squeeze": lambda: x[0].squeeze(int(x[1].reshape(-1)[0])),
         }  # fmt: skip
         return simple[op]()
+
+
+def _flatten(x, axis):
+    return x.reshape(math.prod(x.shape[:axis]), -1)
+
+
+def _unsqueeze(x, axes):
+    rank = x.dim() + axes.numel()
+    for axis in sorted(int(d) % rank for d in axes.reshape(-1)):
+        x = x.unsqueeze(axis)
+    return x
 
 
 def _slice(a, x):
@@ -284,7 +303,21 @@ _TRANSFORMER_OPS = {
     "Slice": _slice,
     "LayerNormalization": _layer_norm,
     "ReduceSum": _reduce_sum,
+    # BERT's attention mask and positions (integer and boolean tensors)
+    "Where": lambda a, x: torch.where(x[0].bool(), x[1], x[2]),
+    "Equal": lambda a, x: x[0] == x[1],
+    "GreaterOrEqual": lambda a, x: x[0] >= x[1],
+    "And": lambda a, x: x[0] & x[1],
+    "IsNaN": lambda a, x: torch.isnan(x[0]),
+    "Range": lambda a, x: torch.arange(x[0].item(), x[1].item(), x[2].item()),
+    "Expand": lambda a, x: x[0] * torch.ones(tuple(int(d) for d in x[1]), dtype=x[0].dtype),
+    "Cast": lambda a, x: x[0].to(_TORCH_TYPES[a["to"]]),
+    "GatherElements": lambda a, x: torch.gather(x[0], a.get("axis", 0), x[1].long()),
 }
+_TORCH_TYPES = {
+    onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.INT64: torch.int64,
+    onnx.TensorProto.INT32: torch.int32, onnx.TensorProto.BOOL: torch.bool,
+}  # fmt: skip
 
 
 def _limits(zero):

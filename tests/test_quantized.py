@@ -867,6 +867,52 @@ def test_a_quantized_bert_fine_tunes_and_comes_back_in_its_form(form, tmp_path):
     np.testing.assert_allclose(mine, theirs, atol=0.1 * float(np.abs(theirs).max()))
 
 
+def test_a_quantized_bert_s_gradients_agree_with_torch_fake_quantization(tmp_path):
+    """The static QDQ BERT's int8 weights' gradients against torch's fake
+    quantization of the same file (:class:`FakeQuantized`), as directions (a
+    quantized network's gradient is ill-conditioned: see the published QDQ
+    file's test): each weight's cosine with torch's at least 0.8 (0.87 at
+    worst, measured), all together above 0.97 (0.995) and the norm within
+    15% (0.98). The quantizer quantizes the exported attention mask too, and
+    its masked scores come out NaN and are zeroed by the export's own
+    ``Where(IsNaN)``: both layers' attention projections get no gradient, in
+    torch as in ortbridge (their gradients are checked to be zero in both)."""
+    from _transformers_zoo import exported
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    _, (ids, mask), model = exported("bert", "torchscript")
+    exported_path, source = str(tmp_path / "bert-exported.onnx"), str(tmp_path / "bert.onnx")
+    onnx.save(model, exported_path)
+    quant_pre_process(exported_path, source, skip_symbolic_shape=True)
+    target = str(tmp_path / "bert-qdq.onnx")
+    quantized_file(source, target, [{"x": ids.numpy(), "mask": mask.numpy()}] * 2, per_channel=True)
+    layer = OnnxModule(target).train()
+    reference = FakeQuantized(target)
+    out, want_out = layer(ids, mask), reference(ids, mask)[0]
+    torch.testing.assert_close(out, want_out, rtol=1e-4, atol=scaled_atol(1e-5, want_out))
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * weights).sum().backward()
+    (want_out * weights).sum().backward()
+    mine = dict(layer.named_onnx_parameters())
+    cosine = torch.nn.functional.cosine_similarity
+    names = [n for n in reference._names if n in mine]
+    assert len(names) >= 36, len(names)
+    silent = [n for n in names if not reference.parameter(n).grad.any()]
+    # both layers' query, key, value and output products, the first three's
+    # biases, and a scale constant of the scores
+    assert len(silent) == 15, silent
+    for name in silent:
+        assert not mine[name].grad.any(), name
+    live = [n for n in names if n not in silent]
+    for name in live:
+        got = float(cosine(mine[name].grad.flatten(), reference.parameter(name).grad.flatten(), 0))
+        assert got >= 0.8, (name, got)
+    ours = torch.cat([mine[n].grad.flatten() for n in live])
+    want = torch.cat([reference.parameter(n).grad.flatten() for n in live])
+    assert float(cosine(ours, want, dim=0)) > 0.97
+    assert 0.85 < float(ours.norm() / want.norm()) < 1.15
+
+
 def test_lora_on_a_quantized_file_trains_adapters_and_saves_them_merged_as_int8(files, tmp_path):
     """The int8 weights freeze; each update trains beside its weight under the
     file's fake quantization, and is saved merged, rounded to the integers."""
