@@ -257,3 +257,93 @@ def test_a_weight_whose_scale_is_computed_is_frozen_by_name(files, tmp_path):
     # Asked for by name, a weight before it is refused naming the node.
     with pytest.raises(NotDifferentiableError, match="DynamicQuantizeLSTM"):
         OnnxModule(path, trainable=["proj.bias"])
+
+
+def _zoo_lstm():
+    """The benchmarks' LSTM model: two bidirectional layers and a linear head."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _models import LSTMRegressor
+
+    return LSTMRegressor
+
+
+def _weight_value(model: onnx.ModelProto, node: onnx.NodeProto, slot: int) -> np.ndarray:
+    """A DynamicQuantizeLSTM's int8 weight at ``slot``, dequantized: (dirs, in, 4H)."""
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    q, scale, zero = (inits[node.input[i]] for i in (slot, 6 + 2 * slot, 7 + 2 * slot))
+    shape = (q.shape[0], 1, -1)
+    scale, zero = (
+        np.broadcast_to(v.reshape(q.shape[0], -1), (q.shape[0], q.shape[2])) for v in (scale, zero)
+    )
+    value = (q.astype(np.int64) - zero.reshape(shape)).astype(np.float32) * scale.reshape(shape)
+    return value.astype(np.float32)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-direction", "per-channel"])
+def test_the_zoo_s_two_layer_bidirectional_lstm_quantized_dynamically_trains_as_torch(
+    per_channel, tmp_path
+):
+    """quantize_dynamic on the benchmarks' LSTM model (two bidirectional
+    layers of 64, batch first, a Linear head; TorchScript's export): eval
+    equals the file, and in train mode the outputs and the gradients of the
+    input, the head and all eight LSTM matrices equal torch's LSTMRegressor
+    holding the dequantized weights."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    torch.manual_seed(0)
+    net = _zoo_lstm()().eval()
+    x = torch.randn(2, 20, 32)
+    exported = export_torchscript(
+        net, (x,), constant_folding=True, input_names=["x"], output_names=["y"],
+        dynamic_axes={"x": {0: "n"}},
+    )  # fmt: skip
+    source, target = tmp_path / "lstm.onnx", tmp_path / "lstm-int8.onnx"
+    onnx.save(exported, source)
+    quantize_dynamic(
+        str(source), str(target), per_channel=per_channel, op_types_to_quantize=["LSTM"]
+    )
+    model = onnx.load(target)
+    nodes = [n for n in model.graph.node if n.op_type == "DynamicQuantizeLSTM"]
+    assert len(nodes) == 2
+    layer = OnnxModule(str(target))
+    trained = dict(layer.named_onnx_parameters())
+    assert {n.input[s] for n in nodes for s in (1, 2)} <= set(trained)
+    expected = onnxruntime.InferenceSession(str(target)).run(None, {"x": x.numpy()})[0]
+    layer.eval()
+    with torch.no_grad():
+        start = layer(x).numpy()
+    np.testing.assert_allclose(start, expected, rtol=1e-6, atol=1e-6)
+    layer.train()
+    twin = _zoo_lstm()()
+    twin.load_state_dict(net.state_dict())
+    hidden = twin.lstm.hidden_size
+    with torch.no_grad():
+        for k, node in enumerate(nodes):
+            for slot, kind in ((1, "ih"), (2, "hh")):
+                value = _weight_value(model, node, slot)
+                for d, suffix in enumerate(("", "_reverse")):
+                    gates = value[d].T.reshape(4, hidden, -1)[_TORCH_FROM_ONNX]
+                    weight = torch.from_numpy(np.ascontiguousarray(gates.reshape(4 * hidden, -1)))
+                    getattr(twin.lstm, f"weight_{kind}_l{k}{suffix}").copy_(weight)
+    x1, x2 = (x.clone().requires_grad_() for _ in range(2))
+    ours, theirs = layer(x1), twin(x2)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=scaled_atol(1e-5, theirs))
+    cotangent = torch.randn(theirs.shape, generator=torch.Generator().manual_seed(1))
+    (ours * cotangent).sum().backward()
+    (theirs * cotangent).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=scaled_atol(1e-5, x2.grad))
+    want = twin.head.bias.grad
+    torch.testing.assert_close(
+        trained["head.bias"].grad, want, rtol=1e-4, atol=scaled_atol(1e-5, want)
+    )
+    for k, node in enumerate(nodes):
+        for slot, kind in ((1, "ih"), (2, "hh")):
+            got = trained[node.input[slot]].grad.numpy()
+            for d, suffix in enumerate(("", "_reverse")):
+                grad = getattr(twin.lstm, f"weight_{kind}_l{k}{suffix}").grad.numpy()
+                gates = grad.reshape(4, hidden, -1)[_ONNX_FROM_TORCH]
+                want = gates.reshape(4 * hidden, -1).T
+                np.testing.assert_allclose(got[d], want, rtol=1e-4, atol=scaled_atol(1e-5, want))
