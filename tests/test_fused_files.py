@@ -18,7 +18,7 @@ import onnx
 import onnxruntime
 import pytest
 import torch
-from conftest import assert_adam_lowers, assert_steps_lower, scaled_atol
+from conftest import assert_adam_lowers, assert_steps_lower, export_torchscript, scaled_atol
 
 from ortbridge import OnnxModule
 from ortbridge.adapters import lora
@@ -682,3 +682,36 @@ def _torch_gradient_like_rounded(value: np.ndarray, params: dict) -> torch.Tenso
         twin.grad = p.grad
         rounded[name] = twin
     return _torch_gradient_like(value, rounded)
+
+
+def test_autocast_around_a_float16_file_runs_it_as_a_float16_torch_layer(tmp_path):
+    """Under ``torch.autocast(dtype=torch.float16)`` a float16 file takes the
+    autocast layer before it's float16 output and returns float16, as a
+    float16 torch layer there does; its values and gradients are those of
+    the same call outside autocast."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    torch.manual_seed(0)
+    source = export_torchscript(
+        torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 3)).eval(),
+        (torch.randn(2, 6),), input_names=["x"], output_names=["y"],
+    )  # fmt: skip
+    path = str(tmp_path / "mlp16.onnx")
+    onnx.save(convert_float_to_float16(source, keep_io_types=False), path)
+    first = torch.nn.Linear(4, 6)
+    layer = OnnxModule(path)
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        hidden = first(x)
+        out = layer(hidden)
+    assert hidden.dtype == torch.float16 and out.dtype == torch.float16
+    (out.float() ** 2).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_onnx_parameters()}
+    layer.zero_grad()
+    again = layer(hidden.detach())
+    assert torch.equal(out.detach(), again.detach())
+    (again.float() ** 2).sum().backward()
+    for name, p in layer.named_onnx_parameters():
+        assert p.grad.dtype == torch.float16
+        assert torch.equal(p.grad, grads[name]), name
+    assert first.weight.grad is not None  # the gradient reaches the layer before
