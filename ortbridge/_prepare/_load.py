@@ -20,6 +20,7 @@ from . import _weights
 from ._checks import check_loaded
 from ._lookup import _elem_types
 from ._onnx_utils import FLOAT_TYPES, all_graphs, node_reads, np_dtype, topological
+from .quantized._dynamic import rounded_bias
 
 
 def load_model(model) -> onnx.ModelProto:
@@ -160,6 +161,21 @@ def _gradient_reachable(
         return types.get(name, TensorProto.FLOAT) in FLOAT_TYPES
 
     needed = {o.name for o in model.graph.output if is_float(o.name)}
+    # The integer sums of ConvInteger / MatMulInteger and the bias adds on them
+    # (the float bias each adds, rounded: read unrounded for the gradient).
+    sums: set[str] = set()
+    biases: dict[str, str] = {}
+    producer = {out: node for node in model.graph.node for out in node.output}
+    inits = {i.name: i for i in model.graph.initializer}
+    for node in topological(model.graph):
+        if node.op_type in ("ConvInteger", "MatMulInteger"):
+            sums.update(node.output)
+        elif node.op_type == "Add" and any(i in sums for i in node.input):
+            sums.update(node.output)
+            product = next(i for i in node.input if i in sums)
+            bias = rounded_bias(node, product, producer, inits)
+            if bias:
+                biases[node.output[0]] = bias
     # A quantized tensor needs a gradient where the float one it dequantizes to does.
     # Walk nodes backwards: a node whose float output needs a gradient passes
     # the need on to its differentiable float inputs.
@@ -170,11 +186,16 @@ def _gradient_reachable(
         if not any(out in needed for out in node.output):
             continue
         skip = _weights.FIXED_SLOTS.get(node.op_type, ())
-        # (a Concat of integers joins a weight's per-direction fake quantizations)
-        straight = node.op_type in _weights.STRAIGHT_THROUGH or (
-            node.op_type == "Concat" and not is_float(node.output[0])
+        # (a Concat of integers joins a weight's per-direction fake quantizations;
+        # a Cast or Add of an integer product's sum rescales it or adds its bias)
+        straight = (
+            node.op_type in _weights.STRAIGHT_THROUGH
+            or (node.op_type == "Concat" and not is_float(node.output[0]))
+            or (node.op_type in ("Cast", "Add") and any(i in sums for i in node.input))
         )
         integers = _weights.STRAIGHT_THROUGH_SLOTS.get(node.op_type, ())
+        if node.output and node.output[0] in biases:
+            needed.add(biases[node.output[0]])
         for pos, name in enumerate(node.input):
             if name and pos not in skip and (is_float(name) or straight or pos in integers):
                 needed.add(name)

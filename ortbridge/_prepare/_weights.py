@@ -115,7 +115,13 @@ STRAIGHT_THROUGH = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuan
 #: Integer inputs whose float weights (lifted, :mod:`.quantized`) a node's
 #: gradient reaches: onnxruntime's dynamically quantized LSTM, differentiated
 #: as ONNX's LSTM of its dequantized weights.
-STRAIGHT_THROUGH_SLOTS = {"DynamicQuantizeLSTM": {1, 2}}
+STRAIGHT_THROUGH_SLOTS = {
+    "DynamicQuantizeLSTM": {1, 2},
+    # a dynamically quantized product (its kernel kept for inference), read
+    # in float for the gradient: the activation's and the weight's integers
+    "ConvInteger": {0, 1},
+    "MatMulInteger": {0, 1},
+}
 # Ops whose outputs carry no gradient at all.
 NON_DIFFERENTIABLE_OPS = frozenset(
     {

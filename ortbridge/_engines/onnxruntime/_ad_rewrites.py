@@ -63,6 +63,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ortbridge._prepare._lookup import _all_names, _infer, _unique
 from ortbridge._prepare._onnx_utils import FLOAT_TYPES, NodeBuilder, attr, np_dtype
 from ortbridge._prepare._sequences import sequences_as_tensors
+from ortbridge._prepare.quantized._dynamic import integer_products_as_pairs
 from ortbridge.exceptions import OnnxModelError
 
 from . import _ad_rewrites_conv as conv
@@ -150,6 +151,7 @@ def prepare_for_reverse(model: onnx.ModelProto) -> onnx.ModelProto:
         model = upgrade_opset(copy)
     except OnnxModelError:  # onnx-ad then refuses, by name, the nodes that need opset 16
         model = copy
+    integer_products_as_pairs(model)  # the file's ConvInteger / MatMulInteger, in float
     model = fused_as_standard(quantized_lstms_as_float(model))
     model = _shapes_folded(rewrite_bodies(sequences_as_tensors(model)))
     graph = model.graph

@@ -10,7 +10,11 @@ of the ``DequantizeLinear`` of both operands (the activation's reading the
 in float32 rather than in int32 (an output differs by float rounding). Then
 :mod:`._lift` trains the weights under fake quantization; the activations'
 dynamic pairs pass the gradient straight through (their range is the
-tensor's own: nothing is clipped). A ``MatMulInteger`` weight scaled per
+tensor's own: nothing is clipped). The lift keeps the ``*Integer`` nodes,
+each reading its weight's ``QuantizeLinear``, so inference runs the file's
+kernels; the engine's gradient graph reads them in float
+(:func:`integer_products_as_pairs`), as it reads ``DynamicQuantizeLSTM``.
+A ``MatMulInteger`` weight scaled per
 column (``quantize_dynamic(..., per_channel=True)``) is read per axis. A saved
 file keeps the integer nodes.
 onnxruntime's optimiser fuses them into com.microsoft ``DynamicQuantizeMatMul``
@@ -44,12 +48,16 @@ def _matches(model: onnx.ModelProto):
         dynamic = producer.get(node.input[0])
         if dynamic is None or dynamic.op_type != "DynamicQuantizeLinear":
             continue
-        if node.input[1] not in inits or (len(node.input) > 3 and node.input[3] not in inits):
+        source = _weight_source(node.input[1], producer, inits)
+        if source is None:
+            continue
+        lifted = isinstance(source, onnx.NodeProto)  # (its settings may be graph inputs)
+        if not lifted and len(node.input) > 3 and node.input[3] not in inits:
             continue
         # onnx's older quantizer adds the bias in int32 first: the float bias
         # divided by the product's scale, floored (read here as the float bias)
         add = _only_reader(readers, node.output[0], "Add")
-        bias = _rounded_bias(add, node.output[0], producer, inits) if add is not None else ""
+        bias = rounded_bias(add, node.output[0], producer, inits) if add is not None else ""
         if bias is None:
             continue
         cast = _only_reader(readers, (add or node).output[0], "Cast")
@@ -60,12 +68,12 @@ def _matches(model: onnx.ModelProto):
         if scales is None or scales.op_type != "Mul" or dynamic.output[1] not in scales.input:
             continue
         weight_scale = next((i for i in scales.input if i != dynamic.output[1]), "")
-        axis = _weight_axis(node, inits, weight_scale)
+        axis = _weight_axis(node, inits, weight_scale, source)
         if axis is not False:
             yield node, cast, mul, dynamic, weight_scale, axis, add, bias
 
 
-def _rounded_bias(add, product: str, producer, inits) -> str | None:
+def rounded_bias(add, product: str, producer, inits) -> str | None:
     """The float bias initializer an integer ``Add`` adds to ``product`` as
     ``Cast(Floor(bias / scale))`` (reshaped or not); None for another form."""
     other = next((i for i in add.input if i != product), "")
@@ -79,22 +87,34 @@ def _rounded_bias(add, product: str, producer, inits) -> str | None:
         chain.append(node)
         node = producer.get(node.input[0])
     bias = chain[-1].input[0]
-    if bias not in inits or len(inits[bias].dims) != 1:
+    if bias in inits and len(inits[bias].dims) != 1:
         return None
-    return bias
+    return bias  # (an input of the engine's graphs, where the weights are fed)
 
 
-def _weight_axis(node: onnx.NodeProto, inits, weight_scale: str) -> int | None | bool:
+def _weight_source(name: str, producer, inits) -> str | onnx.NodeProto | None:
+    """An integer product's weight: its integers' initializer, or (lifted,
+    :mod:`._lift`) the ``QuantizeLinear`` rounding the float weight (an
+    initializer, or an input of the engine's graphs)."""
+    if name in inits:
+        return name
+    quantize = producer.get(name)
+    return quantize if quantize is not None and quantize.op_type == "QuantizeLinear" else None
+
+
+def _weight_axis(node: onnx.NodeProto, inits, weight_scale: str, source):
     """None: one scale a weight (``quantize_dynamic``'s default); the weight's
     last axis: a ``MatMulInteger`` scaled per column (its ``per_channel=True``),
     the zero point alike; False: any other form (left as it is)."""
+    if isinstance(source, onnx.NodeProto):  # lifted: its QuantizeLinear's axis
+        return next((a.i for a in source.attribute if a.name == "axis"), None)
     scale = inits.get(weight_scale)
     if scale is None:
         return False
     size = int(numpy_helper.to_array(scale).size)
     if size == 1:
         return None
-    weight = inits[node.input[1]]
+    weight = inits[source]
     zero = inits.get(node.input[3]) if len(node.input) > 3 and node.input[3] else None
     columns = list(weight.dims[-1:])
     if node.op_type != "MatMulInteger" or list(scale.dims) != columns or zero is None:
@@ -133,11 +153,16 @@ def _at(node, pos):
     return node.input[pos] if pos is not None and len(node.input) > pos else ""
 
 
+def integer_products(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str, int | None]]:
+    """(node, its weight's scale, axis) of each ``*Integer`` node read as a product."""
+    return [(node, scale, axis) for node, _, _, _, scale, axis, _, _ in _matches(model)]
+
+
 def has_dynamic(model: onnx.ModelProto) -> bool:
     return next(_matches(model), None) is not None or next(_fused(model), None) is not None
 
 
-def _fused_as_pairs(model: onnx.ModelProto) -> None:
+def fused_as_pairs(model: onnx.ModelProto) -> None:
     """com.microsoft ``DynamicQuantizeMatMul`` (A quantized inside, as
     ``DynamicQuantizeLinear`` quantizes it) and ``MatMulIntegerToFloat`` as
     ``MatMul`` of ``DequantizeLinear`` operands, plus the bias."""
@@ -188,7 +213,14 @@ def _fused_as_pairs(model: onnx.ModelProto) -> None:
 def dynamic_as_pairs(model: onnx.ModelProto) -> None:
     """Each matched ``*Integer`` node (and onnxruntime's fusions of them) as
     its float op between pairs, in place."""
-    _fused_as_pairs(model)
+    fused_as_pairs(model)
+    integer_products_as_pairs(model)
+
+
+def integer_products_as_pairs(model: onnx.ModelProto) -> None:
+    """Each matched ``*Integer`` node, its integer bias add, Cast and rescale
+    as the float op between pairs, in place: where the weight is lifted
+    (read through a ``QuantizeLinear``), the engine's gradient graph."""
     found = list(_matches(model))
     if not found:
         return

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .._lookup import _all_names, _unique
 from .._onnx_utils import node_reads
+from ._dynamic import integer_products_as_pairs
 from ._lift import (
     LSTM_WEIGHT_SLOTS,
     QDQ_DOMAINS,
@@ -34,6 +35,7 @@ def float_model(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     weights = set(lift_quantized_weights(out))
+    integer_products_as_pairs(out)  # the integer products kept by the lift, in float
     graph = out.graph
     inits = {i.name: i for i in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}

@@ -37,7 +37,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .._lookup import _all_names, _unique
 from .._onnx_utils import FLOAT_TYPES
-from ._dynamic import dynamic_as_pairs, has_dynamic
+from ._dynamic import dynamic_as_pairs, fused_as_pairs, has_dynamic, integer_products
 from ._qoperators import has_qoperators, qoperators_as_pairs
 from ._weight_only import has_weight_only, weight_only_as_dequantize
 
@@ -258,12 +258,17 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
     the same scale, zero point (of the file's integer type) and axis; an
     int32 bias's readers become an ``Identity``. Returns the names lifted.
     """
-    _as_qdq(model)
+    # (the integer products stay: their kernels run the module's inference,
+    # the engine reads them in float for the gradient)
+    weight_only_as_dequantize(model)
+    fused_as_pairs(model)
+    qoperators_as_pairs(model)
     found = quantized_weights(model)
     if not found:
         return []
     graph = model.graph
     taken = _all_names(graph)
+    products = {node.output[0]: (scale, axis) for node, scale, axis in integer_products(model)}
     for init in graph.initializer:
         record = found.get(init.name)
         if record is not None:
@@ -274,6 +279,25 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
     for node in graph.node:
         if is_dynamic_lstm(node):
             nodes.extend(_lstm_weights_quantized(node, found, graph, dims, taken))
+            continue
+        product = products.get(node.output[0]) if node.output else None
+        record = found.get(node.input[1]) if product is not None else None
+        if record is not None:  # a ConvInteger or MatMulInteger: its QuantizeLinear
+            scale, axis = product
+            zero = node.input[3] if len(node.input) > 3 and node.input[3] else ""
+            if not zero:
+                zero = _unique(f"{record.name}_zero_point", taken)
+                graph.initializer.append(numpy_helper.from_array(record.zero_point, zero))
+                while len(node.input) < 4:
+                    node.input.append("")
+                node.input[3] = zero
+            held = _unique(f"{record.name}_fake_quantized", taken)
+            label = _unique(f"{node.name or record.name}_quantize", taken)
+            extra = {} if axis is None else {"axis": axis}
+            inputs = [record.name, scale, zero]
+            nodes.append(helper.make_node("QuantizeLinear", inputs, [held], label, **extra))
+            node.input[1] = held
+            nodes.append(node)
             continue
         record = (
             found.get(node.input[0]) if node.op_type == "DequantizeLinear" and node.input else None
