@@ -617,11 +617,14 @@ def test_optimized_files_of_torch_s_dynamo_exporter_train_as_torch(name, tmp_pat
     assert sum(_fused_ops(path).values()) >= 2, _fused_ops(path)
     layer = OnnxModule(path)
     assert len(dict(layer.named_onnx_parameters())) >= 19
-    # The exporter folds a few tensors computed from parameters or buffers
-    # (ViT's class token expanded to the batch, Llama's rotary frequencies):
-    # weights of the file that no torch parameter holds as they are.
+    # The exporter folds a few tensors computed from parameters into weights
+    # no torch parameter holds as they are (ViT's class token expanded to the
+    # batch, BERT's position and token-type embeddings gathered at constant
+    # indices). Llama's rotary frequencies, a buffer in torch, times
+    # positions: a constant, not trained.
     derived = _assert_trains_as_torch(layer, model, inputs, unmatched=2)
-    assert all(not n.startswith("model.") or "inv_freq" in n for n in derived), derived
+    assert all(not n.startswith("model.") for n in derived), derived
+    assert not any("inv_freq" in n for n, _ in layer.named_onnx_parameters())
 
 
 @pytest.mark.parametrize("name", list(_ARCHITECTURES))

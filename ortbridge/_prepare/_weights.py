@@ -407,19 +407,18 @@ def product_weights(model: onnx.ModelProto) -> set[str]:
 
 def _from_shapes(model: onnx.ModelProto) -> set[str]:
     """Main-graph tensors computed from shapes and counts (``Shape``, ``Size``,
-    ``Range``: positions) and constants only, with no input depending on a
-    graph input's values or on a float initializer."""
+    ``Range``: positions, whatever its bounds: dynamo writes an arange's as
+    float constants) and constants only, with no input depending on a graph
+    input's values or on a float initializer."""
     graph = model.graph
     data = {i.name for i in graph.input}
     data.update(init.name for init in graph.initializer if init.data_type in FLOAT_TYPES)
     shaped: set[str] = set()
     for node in graph.node:
-        if node.op_type in ("Shape", "Size"):
+        if node.op_type in ("Shape", "Size", "Range"):
             shaped.update(node.output)
         elif any(name in data for name in node.input) or subgraphs(node):
             data.update(node.output)
-        elif node.op_type == "Range":
-            shaped.update(node.output)
         elif any(name in shaped for name in node.input):
             shaped.update(node.output)
     return shaped
