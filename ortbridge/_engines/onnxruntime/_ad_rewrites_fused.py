@@ -71,6 +71,7 @@ holds the most modules the layout allows).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -608,7 +609,7 @@ class _Writer:
             cache = self.shapes.get(self._in(7))
             if not cache or len(cache) != 2 or not isinstance(cache[1], int):
                 return None
-            steps = self._rotary_steps(query)  # (B, S)
+            steps = self._rotary_steps()  # (B, S)
             c, s = (
                 self.op("Unsqueeze", [self.op("Gather", [t, steps], axis=0), self._axes([2])])
                 for t in (self._in(7), self._in(8))
@@ -617,7 +618,7 @@ class _Writer:
             q, k = (self._rotate(t, (c, s), cache[1], head, interleaved) for t in (q, k))
         q, k, v = (self.op("Transpose", [t], perm=[0, 2, 1, 3]) for t in (q, k, v))
         if self._in(3):  # each row's past, then its new keys and values
-            k, v = (self._present(state, t) for state, t in ((self._in(3), k), (self._in(4), v)))
+            k, v = self._present([(self._in(3), k), (self._in(4), v)])
         for pos, t in ((1, k), (2, v)):
             if self._out(pos):
                 self.op("Identity", [t], self._out(pos))
@@ -650,7 +651,7 @@ class _Writer:
             scores = self.op("Add", [scores, self._in(10)])
         keep = self._valid_keys(k, self._in(5))
         if causal and self._in(3):
-            keep = self.op("And", [self._causal_after_past(k, query, window), keep])
+            keep = self.op("And", [self._causal_after_past(k, window), keep])
         elif causal:
             keep = self.op("And", [self._causal_keep(scores, window if window > 0 else None), keep])
         lowest = self.const(float(np.finfo(np_dtype(self.elem)).min))
@@ -676,49 +677,60 @@ class _Writer:
     # present state, max(P, total) long, holds that past, the S new keys after
     # it, and zeros; query i sits at position past + i.
 
-    def _first_prompt(self, query: str) -> str:
+    # (each computed once a node: the rotary positions, both states and the
+    # causal mask read them)
+    @functools.cached_property
+    def _first_prompt(self) -> str:
         """Whether the call is a first prompt (S == total_sequence_length): (1,) bool."""
         total = self.op("Cast", [self._in(6)], to=TensorProto.INT64)
-        return self.op("Equal", [self._shape_part(query, 1), self._flat(total)])
+        return self.op("Equal", [self._shape_part(self._in(0), 1), self._flat(total)])
 
-    def _row_pasts(self, query: str) -> str:
+    @functools.cached_property
+    def _row_pasts(self) -> str:
         """Each row's past length, (B, 1) int64."""
         lengths = self.op("Cast", [self._in(5)], to=TensorProto.INT64)
         after = self.op(
-            "Sub", [self.op("Add", [lengths, self._int(1)]), self._shape_part(query, 1)]
+            "Sub", [self.op("Add", [lengths, self._int(1)]), self._shape_part(self._in(0), 1)]
         )
-        past = self.op("Where", [self._first_prompt(query), self._int(0), after])
+        past = self.op("Where", [self._first_prompt, self._int(0), after])
         return self.op("Unsqueeze", [past, self._axes([1])])
+
+    @functools.cached_property
+    def _query_steps(self) -> str:
+        """``0 .. S-1`` as (1, S) int64."""
+        return self.op("Unsqueeze", [self._positions(self._in(0)), self._axes([0])])
 
     def _flat(self, x: str) -> str:
         return self.op("Reshape", [x, self._axes([-1])])
 
-    def _rotary_steps(self, query: str) -> str:
+    def _rotary_steps(self) -> str:
         """The positions the rotary caches are read at, (B, S) int64: the
         position ids (a first prompt reads their first element, counting on
         from it), else each row's past length on."""
-        steps = self.op("Unsqueeze", [self._positions(query), self._axes([0])])  # (1, S)
+        steps = self._query_steps
         if self._in(9):
             first = self.op("Gather", [self._flat(self._in(9)), self._int(0)], axis=0)
             counted = self.op("Add", [steps, first])
-            return self.op("Where", [self._first_prompt(query), counted, self._in(9)])
+            return self.op("Where", [self._first_prompt, counted, self._in(9)])
         if not self._in(3):
             return steps
-        return self.op("Add", [steps, self._row_pasts(self._in(0))])
+        return self.op("Add", [steps, self._row_pasts])
 
-    def _present(self, state: str, new: str) -> str:
-        """(B, N, max(P, total), head): row b's past keys, its new ones after
-        them, zeros after those."""
-        buffer = self._shape_part(state, 2)
+    def _present(self, pairs) -> list[str]:
+        """Each (past, new) of ``pairs`` as (B, N, max(P, total), head): row b's
+        past keys, its new ones after them, zeros after those."""
+        buffer = self._shape_part(pairs[0][0], 2)
         total = self.op("Cast", [self._flat(self._in(6))], to=TensorProto.INT64)
         length = self.op("Max", [buffer, total])
-        return self._written(state, new, self._row_pasts(self._in(0)), length)
+        return self._written(pairs, self._row_pasts, length)
 
-    def _written(self, state, new, pasts, length, keep_past: bool = False) -> str:
-        """(B, N, length, head): the new keys written into the past buffer
-        ``state`` after each row's ``pasts`` (B or 1, 1) keys; after them zeros,
-        or (``keep_past``) the buffer as it was. One gather from the past, the
-        new keys and a zero row."""
+    def _written(self, pairs, pasts, length, keep_past: bool = False) -> list[str]:
+        """Each (past buffer, new) of ``pairs`` (keys and values: one shape) as
+        (B, N, length, head): the new written after each row's ``pasts`` (B or
+        1, 1) entries of the buffer; after them zeros, or (``keep_past``) the
+        buffer as it was. One gather each from the past, the new and a zero
+        row, at indices computed once."""
+        state, new = pairs[0]
         buffer, count = self._shape_part(state, 2), self._shape_part(new, 2)
         j = self.op("Unsqueeze", [self._positions_to(length), self._axes([0])])  # (1, T)
         offset = self.op("Sub", [j, pasts])  # (B, T): the new key's index
@@ -730,8 +742,6 @@ class _Writer:
             "Where",
             [is_new, self.op("Add", [offset, buffer]), self.op("Where", [old, j, zero_row])],
         )  # (B, T) into the past, the new keys and a zero row, joined
-        zeros = self.op("Mul", [self._slice_axis(new, 2, 0, 1), self.const(0.0)])
-        joined = self.op("Concat", [state, new, zeros], axis=2)
         shape = self.op("Shape", [new])
         full = self.op(
             "Concat",
@@ -740,7 +750,12 @@ class _Writer:
             axis=0,
         )  # fmt: skip
         spread = self.op("Expand", [self.op("Unsqueeze", [index, self._axes([1, 3])]), full])
-        return self.op("GatherElements", [joined, spread], axis=2)
+        out = []
+        for state, new in pairs:
+            zeros = self.op("Mul", [self._slice_axis(new, 2, 0, 1), self.const(0.0)])
+            joined = self.op("Concat", [state, new, zeros], axis=2)
+            out.append(self.op("GatherElements", [joined, spread], axis=2))
+        return out
 
     def _positions_to(self, length: str) -> str:
         """``0 .. length-1`` (int64) for a one-element ``length``."""
@@ -750,11 +765,10 @@ class _Writer:
     def _slice_axis(self, x: str, axis: int, start: int, end: int) -> str:
         return self.op("Slice", [x, self._axes([start]), self._axes([end]), self._axes([axis])])
 
-    def _causal_after_past(self, k: str, query: str, window: int) -> str:
+    def _causal_after_past(self, k: str, window: int) -> str:
         """(B, 1, S, T): key ``j`` for query ``i`` of row b where ``j <= past_b + i``
         (and ``j > past_b + i - window`` with a window)."""
-        at = self.op("Add", [self._row_pasts(query), self.op(
-            "Unsqueeze", [self._positions(query), self._axes([0])])])  # fmt: skip
+        at = self.op("Add", [self._row_pasts, self._query_steps])
         at = self.op("Unsqueeze", [at, self._axes([2])])  # (B, S, 1)
         j = self.op("Reshape", [self._positions(k, 2), self._axes([1, 1, -1])])
         keep = self.op("LessOrEqual", [j, at])
@@ -801,10 +815,8 @@ class _Writer:
             lengths = self.op("Reshape", [shared, self._axes([1, 1])])
             written = self.op("Cast", [lengths], to=TensorProto.INT64)
             k = self.op("Transpose", [k], perm=[0, 2, 1, 3])
-            k, v = (
-                self._written(state, t, written, self._shape_part(state, 2), keep_past=True)
-                for state, t in zip(past, (k, v))
-            )
+            length = self._shape_part(past[0], 2)
+            k, v = self._written(list(zip(past, (k, v))), written, length, keep_past=True)
         elif past:
             k = self.op("Concat", [past[0], self.op("Transpose", [k], perm=[0, 2, 1, 3])], axis=2)
             v = self.op("Concat", [past[1], v], axis=2)
