@@ -167,7 +167,8 @@ def _gradient_reachable(
     biases: dict[str, str] = {}
     producer = {out: node for node in model.graph.node for out in node.output}
     inits = {i.name: i for i in model.graph.initializer}
-    for node in topological(model.graph):
+    ordered = topological(model.graph)
+    for node in ordered:
         if node.op_type in ("ConvInteger", "MatMulInteger"):
             sums.update(node.output)
         elif node.op_type == "Add" and any(i in sums for i in node.input):
@@ -180,7 +181,7 @@ def _gradient_reachable(
     # Walk nodes backwards: a node whose float output needs a gradient passes
     # the need on to its differentiable float inputs.
     passing = _weights.ZERO_DERIVATIVE_OPS if through_zero else ()
-    for node in reversed(topological(model.graph)):
+    for node in reversed(ordered):
         if node.op_type in _weights.NON_DIFFERENTIABLE_OPS and node.op_type not in passing:
             continue
         if not any(out in needed for out in node.output):

@@ -284,20 +284,14 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
         record = found.get(node.input[1]) if product is not None else None
         if record is not None:  # a ConvInteger or MatMulInteger: its QuantizeLinear
             scale, axis = product
-            zero = node.input[3] if len(node.input) > 3 and node.input[3] else ""
-            if not zero:
-                zero = _unique(f"{record.name}_zero_point", taken)
-                graph.initializer.append(numpy_helper.from_array(record.zero_point, zero))
-                while len(node.input) < 4:
-                    node.input.append("")
-                node.input[3] = zero
-            held = _unique(f"{record.name}_fake_quantized", taken)
-            label = _unique(f"{node.name or record.name}_quantize", taken)
+            zero = _zero_point(record, node.input[3] if len(node.input) > 3 else "", graph, taken)
+            while len(node.input) < 4:
+                node.input.append("")
+            node.input[3] = zero
             extra = {} if axis is None else {"axis": axis}
-            inputs = [record.name, scale, zero]
-            nodes.append(helper.make_node("QuantizeLinear", inputs, [held], label, **extra))
-            node.input[1] = held
-            nodes.append(node)
+            quantize = _quantize(record, node, [scale, zero], taken, **extra)
+            node.input[1] = quantize.output[0]
+            nodes.extend([quantize, node])
             continue
         record = (
             found.get(node.input[0]) if node.op_type == "DequantizeLinear" and node.input else None
@@ -308,26 +302,42 @@ def lift_quantized_weights(model: onnx.ModelProto) -> list[str]:
         if not record.paired:
             nodes.append(helper.make_node("Identity", [record.name], [node.output[0]], node.name))
             continue
-        zero = node.input[2] if len(node.input) > 2 and node.input[2] else ""
-        if not zero:  # without one, QuantizeLinear would write uint8
-            zero = _unique(f"{record.name}_zero_point", taken)
-            graph.initializer.append(numpy_helper.from_array(record.zero_point, zero))
-            del node.input[2:]
-            node.input.append(zero)
-        held = _unique(f"{record.name}_fake_quantized", taken)
-        quantize = helper.make_node(
-            "QuantizeLinear",
-            [record.name, node.input[1], zero],
-            [held],
-            _unique(f"{node.name or record.name}_quantize", taken),
+        zero = _zero_point(record, node.input[2] if len(node.input) > 2 else "", graph, taken)
+        del node.input[2:]
+        node.input.append(zero)
+        quantize = _quantize(
+            record, node, [node.input[1], zero], taken,
             domain=node.domain,  # as the file's DequantizeLinear (int4 before opset 21)
             **({"axis": record.axis} if record.scale.ndim else {}),
-        )
-        node.input[0] = held
+        )  # fmt: skip
+        node.input[0] = quantize.output[0]
         nodes.extend([quantize, node])
     del graph.node[:]
     graph.node.extend(nodes)
     return sorted(found)
+
+
+def _zero_point(record: QuantizedWeight, given: str, graph, taken) -> str:
+    """The zero point a lifted weight's ``QuantizeLinear`` reads: the file's,
+    or one of the integer type where the file has none (without one,
+    ``QuantizeLinear`` would write uint8)."""
+    if given:
+        return given
+    name = _unique(f"{record.name}_zero_point", taken)
+    graph.initializer.append(numpy_helper.from_array(record.zero_point, name))
+    return name
+
+
+def _quantize(record: QuantizedWeight, reader, settings, taken, **attrs) -> onnx.NodeProto:
+    """The ``QuantizeLinear`` of a lifted weight, on ``settings`` (its scale and
+    zero point), for the node ``reader`` that reads its integers."""
+    return helper.make_node(
+        "QuantizeLinear",
+        [record.name, *settings],
+        [_unique(f"{record.name}_fake_quantized", taken)],
+        _unique(f"{reader.name or record.name}_quantize", taken),
+        **attrs,
+    )
 
 
 #: Where an operator reads a quantized weight's integers (op type -> slots).
