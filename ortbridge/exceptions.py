@@ -27,7 +27,8 @@ class NotDifferentiableError(OrtBridgeError, ValueError):
     """onnxruntime cannot build a gradient for a node of the graph.
 
     ``unreachable`` names the tensor no gradient reaches, when that is the
-    cause; ``node`` and ``op_type`` the node refused, when one is.
+    cause; ``node`` and ``op_type`` the node refused, when one is;
+    ``reason`` is the message without its ``hint`` (what else to try).
     """
 
     def __init__(
@@ -37,8 +38,10 @@ class NotDifferentiableError(OrtBridgeError, ValueError):
         *,
         node: str | None = None,
         op_type: str | None = None,
+        hint: str = "",
     ):
-        super().__init__(message)
+        super().__init__(message + hint)
+        self.reason = message
         self.unreachable = unreachable
         self.node = node
         self.op_type = op_type

@@ -79,13 +79,13 @@ def _before(exc: NotDifferentiableError, chosen: set[str], model: onnx.ModelProt
     return found & chosen
 
 
-def _warn_frozen(exc: NotDifferentiableError, names: set[str]) -> None:
+def _warn_frozen(why: str, exc: NotDifferentiableError, names: set[str]) -> None:
     shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
     warnings.warn(
         f"node {exc.node!r} (op type {exc.op_type}) has no gradient here: the "
         f"{len(names)} weights before it stay frozen buffers ({shown}); the weights after "
         f"it train. Pass trainable= to choose, or train the float model it came from "
-        f"({exc})",
+        f"({why})",
         stacklevel=4,
     )
 
@@ -275,7 +275,11 @@ class OnnxModule(nn.Module):
                 if not names:
                     raise
                 if exc.unreachable not in names:
-                    _warn_frozen(exc, names)
+                    # Under auto after a fallback both engines refused: the
+                    # first one's reason names what it does not decompose.
+                    fell_back = self._bridge.__dict__.get("_fell_back")
+                    why = f"{exc.reason}; {self._bridge.engine_reason}" if fell_back else str(exc)
+                    _warn_frozen(why, exc, names)
                 for name in names:
                     chosen.discard(name)
                     self._freeze(name)

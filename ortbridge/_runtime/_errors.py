@@ -165,9 +165,10 @@ def translate(
     other = "onnxruntime" if refuse == "training-agent" else "training-agent"
     return NotDifferentiableError(
         f"the {refuse} engine cannot train this graph{where}: onnxruntime could not {doing}: "
-        f'{reason}. backend="{other}" (or "auto") may train it, or freeze what lies before it',
+        f"{reason}",
         node=node,
         op_type=op_type,
+        hint=f'. backend="{other}" (or "auto") may train it, or freeze what lies before it',
     )
 
 

@@ -238,10 +238,10 @@ def _builder_error(exc: Exception, model: onnx.ModelProto) -> Exception:
         op_type, node = match.groups()
         return NotDifferentiableError(
             f"the training-agent engine cannot train node {node!r} (op type {op_type}): "
-            'onnxruntime-training 1.19.2 has no gradient for it. backend="onnxruntime" (or '
-            '"auto") may train it, or freeze the weights before it',
+            "onnxruntime-training 1.19.2 has no gradient for it",
             node=node,
             op_type=op_type,
+            hint='. backend="onnxruntime" (or "auto") may train it, or freeze what lies before it',
         )
     match = _MISSING_GRAD.search(text)
     if match:
