@@ -114,6 +114,19 @@ def export_torchscript(
     return onnx.load_from_string(buffer.getvalue())
 
 
+def benchmark_models():
+    """The benchmarks' models (``benchmarks/_models.py``: the zoo's MLP, CNN,
+    LSTM ...), imported from there."""
+    import importlib
+    import pathlib
+    import sys
+
+    here = str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("_models")
+
+
 def scaled_atol(atol: float, *expected) -> float:
     """``atol`` for values of magnitude 1, times the largest magnitude in ``expected`` above 1.
 

@@ -261,13 +261,9 @@ def test_a_weight_whose_scale_is_computed_is_frozen_by_name(files, tmp_path):
 
 def _zoo_lstm():
     """The benchmarks' LSTM model: two bidirectional layers and a linear head."""
-    import pathlib
-    import sys
+    from conftest import benchmark_models
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-    from _models import LSTMRegressor
-
-    return LSTMRegressor
+    return benchmark_models().LSTMRegressor
 
 
 def _weight_value(model: onnx.ModelProto, node: onnx.NodeProto, slot: int) -> np.ndarray:
