@@ -5,6 +5,7 @@ from __future__ import annotations
 ORDER = [
     "plot_feature_extractor.py",
     "plot_finetune_published.py",
+    "plot_finetune_published_int8.py",
     "plot_finetune_int8.py",
     "plot_lora_transformer.py",
     "plot_compile_and_ship.py",

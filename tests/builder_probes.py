@@ -249,6 +249,28 @@ def shared_zero_point_fake_quantization():
     )  # fmt: skip
 
 
+def quantize_into_integer_product():
+    """A weight under fake quantization read by an integer product, as
+    ortbridge's lift writes a dynamically quantized file (the activation by
+    DynamicQuantizeLinear, the product by MatMulInteger, the scales after)."""
+    nodes = [
+        h.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+        h.make_node("QuantizeLinear", ["w", "scale", "zero"], ["wq"]),
+        h.make_node("MatMulInteger", ["xq", "wq", "xz", "zero"], ["acc"]),
+        h.make_node("Cast", ["acc"], ["accf"], to=T.FLOAT),
+        h.make_node("Mul", ["xs", "scale"], ["s"]),
+        h.make_node("Mul", ["accf", "s"], ["y"]),
+    ]
+    init = [
+        nh.from_array(np.array(0.05, np.float32), "scale"),
+        _typed(np.array(0, np.int8), "zero"),
+    ]
+    return _case(
+        "quantize_into_integer_product", "QuantizeLinear", nodes, ["x", "w"],
+        [_random(2, 3), _random(3, 4)], ["y"], initializers=init,
+    )  # fmt: skip
+
+
 def reshape_allowzero_beside_a_weight():
     """An empty tensor reshaped with allowzero=1, summed into an output a weight reaches."""
     nodes = [

@@ -460,18 +460,27 @@ def test_saved_weights_are_the_trained_ones_rounded_to_their_integers(files):
 
 @pytest.mark.skipif(not _ort.has_training(), reason="the training agent needs the training build")
 def test_training_agent_trains_one_scale_a_tensor_and_refuses_the_rest_by_name(files):
+    """The agent trains per-tensor pairs (QDQ, and QOperator's as lifted) as
+    the onnxruntime engine does; per-axis scales, shared zero points and
+    dynamic quantization's integer products it refuses by name, and ``auto``
+    trains them on the onnxruntime engine."""
     x = torch.from_numpy(_input("mlp"))
-    grads = {}
-    for backend in ("training-agent", "onnxruntime"):
-        layer = OnnxModule(files["mlp", "per-tensor-uint8"], backend=backend)
-        layer(x).square().sum().backward()
-        grads[backend] = {n: p.grad for n, p in layer.named_onnx_parameters()}
-    for name, want in grads["onnxruntime"].items():
-        got = grads["training-agent"][name]
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=scaled_atol(1e-6, want))
+    for form in ("per-tensor-uint8", "qoperator-per-tensor-uint8"):
+        grads = {}
+        for backend in ("training-agent", "onnxruntime"):
+            layer = OnnxModule(files["mlp", form], backend=backend)
+            layer(x).square().sum().backward()
+            grads[backend] = {n: p.grad for n, p in layer.named_onnx_parameters()}
+        for name, want in grads["onnxruntime"].items():
+            got = grads["training-agent"][name]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=scaled_atol(1e-6, want))
     x = torch.from_numpy(_input("cnn"))
-    words = r"op type (De)?QuantizeLinear\) with a (scale per axis|zero point another pair)"
-    for form in ("per-channel-uint8", "per-tensor-uint8"):
+    words = (
+        r"op type (De)?QuantizeLinear\) with (a scale per axis|a zero point another pair"
+        r"|an integer product \(MatMulInteger, ConvInteger\) reading it)"
+    )
+    forms = ["per-channel-uint8", "per-tensor-uint8", "qoperator-per-channel-int8", "dynamic"]
+    for form in forms:
         with pytest.raises(NotDifferentiableError, match=words):
             OnnxModule(files["cnn", form], backend="training-agent")(x)
         auto = OnnxModule(files["cnn", form])

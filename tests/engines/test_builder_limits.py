@@ -31,6 +31,7 @@ _STRAIGHT_THROUGH = {
     "fake-quantize-raw-zero-point",
     "fake-quantize-shared-zero-point",
     "fake-quantize-trainable-scale",
+    "fake-quantize-into-integer-product",
 }
 #: Node cases no engine checks: opset 8's Scan declares shapes its test data do not have.
 _HARNESS_ERRORS = {"test_scan_sum"}

@@ -15,6 +15,9 @@ engine under ``backend="auto"`` (:func:`first_limit` over the whole graph)
 and is refused by name under ``backend="training-agent"``
 (:func:`refuse_limits`, over the nodes on a gradient path). The builder is
 never handed a graph known to crash it.
+
+The table stays one module: each entry beside the predicate it names is
+what a reader checks an entry against.
 """
 
 from __future__ import annotations
@@ -198,6 +201,13 @@ def _shared_zero_point(node, facts):
     return bool(zero) and len(facts.consumers.get(zero, ())) > 2
 
 
+def _into_integer_product(node, facts):
+    return any(
+        c.op_type in ("MatMulInteger", "ConvInteger")
+        for c in facts.consumers.get(node.output[0], ())
+    )
+
+
 def _always(node, _):
     return True
 
@@ -334,6 +344,12 @@ LIMITS: tuple[Limit, ...] = (
         "fake-quantize-shared-zero-point", ("QuantizeLinear", "DequantizeLinear"), FAILS,
         "a zero point another pair reads too (the builder's QDQ fusion removes it with the "
         "first pair)", _shared_zero_point, "shared_zero_point_fake_quantization",
+    ),
+    Limit(
+        "fake-quantize-into-integer-product", ("QuantizeLinear",), FAILS,
+        "an integer product (MatMulInteger, ConvInteger) reading it: dynamic quantization "
+        "(the builder's QDQ fusion wants a DequantizeLinear after each QuantizeLinear)",
+        _into_integer_product, "quantize_into_integer_product",
     ),
     Limit(
         "reduce-l2-opset17", ("ReduceL2",), FAILS, "an ai.onnx opset below 18",
