@@ -80,6 +80,40 @@ class FakeQuantized(torch.nn.Module):
                     q - self._along(zero, q.ndim, node)
                 ).astype(np.float32)
                 self._add(node.input[0], value)
+        # A quantized table gathered before its DequantizeLinear (onnx's older
+        # quantizer: an embedding, T5's position bias): the table a float
+        # parameter, fake-quantized where it is read, the pair's dequantization
+        # then of a float already.
+        self._tables = {}  # table -> the DequantizeLinear that scales its rows
+        producers = {out: n for n in self.graph.node for out in n.output}
+        for node in self.graph.node:
+            if node.op_type != "DequantizeLinear" or node.input[0] in self.consts:
+                continue
+            source = producers.get(node.input[0])
+            while source is not None and source.op_type in ("Transpose", "Reshape"):
+                source = producers.get(source.input[0])
+            if source is not None and source.op_type == "Gather" and source.input[0] in self.consts:
+                scale, zero = self._params(node)
+                q = self.consts[source.input[0]].astype(np.int64)
+                self._add(source.input[0], float(scale) * (q - int(zero)).astype(np.float32))
+                self._tables[source.input[0]] = node
+        # Weight-only int8: ``Mul(Cast(q), scale)``, symmetric, the scale per
+        # channel along the axis where it has more than one value.
+        self._weight_only = {}  # the Mul's output -> (weight, scale, axis)
+        for node in self.graph.node:
+            if node.op_type != "Mul":
+                continue
+            cast = next((producers.get(i) for i in node.input if producers.get(i)), None)
+            scale = next((i for i in node.input if i in self.consts), None)
+            if cast is None or scale is None or cast.op_type != "Cast":
+                continue
+            if self.consts.get(cast.input[0], np.zeros(0)).dtype != np.int8:
+                continue
+            q, s = self.consts[cast.input[0]], self.consts[scale].astype(np.float32)
+            axes = [d for d in range(s.ndim) if s.shape[d] > 1]
+            self._add(cast.input[0], q.astype(np.float32) * s)
+            axis = axes[0] + q.ndim - s.ndim if axes else None
+            self._weight_only[node.output[0]] = (cast.input[0], s.reshape(-1), axis)
         # Dynamic quantization: an *Integer node's weight, its scale read from
         # the Mul of the activation's and the weight's scales that rescales it.
         self._dynamic = {}  # *Integer output -> (weight name, weight scale, zero point)
@@ -114,6 +148,8 @@ class FakeQuantized(torch.nn.Module):
         return self.parameter(onnx_name)
 
     def _const(self, onnx_name: str) -> torch.Tensor:
+        if onnx_name in self._tables:
+            return self._fake(self.parameter(onnx_name), self._tables[onnx_name])
         if onnx_name in self._names:  # a float initializer made a parameter
             return self.parameter(onnx_name)
         return torch.from_numpy(self.consts[onnx_name])
@@ -175,8 +211,10 @@ class FakeQuantized(torch.nn.Module):
                     w = self.parameter(ins[0])
                     is_bias = self.consts[ins[0]].dtype == np.int32
                     env[node.output[0]] = w if is_bias else self._fake(w, node)
-                else:
+                elif ins[0] in held:
                     env[node.output[0]] = self._fake(held[ins[0]], node)
+                else:  # rows of a table fake-quantized where it was read
+                    env[node.output[0]] = env[ins[0]]
                 continue
             if op == "DynamicQuantizeLinear":  # range from the tensor, as onnxruntime computes it
                 env[node.output[0]] = _dynamic_fake(env[ins[0]])
@@ -198,9 +236,23 @@ class FakeQuantized(torch.nn.Module):
                 env[node.output[0]] = self._run(float_op, a, [env[ins[0]], weight])
                 rescaled.add(node.output[0])
                 continue
+            if node.output[0] in self._weight_only:
+                w, scale, axis = self._weight_only[node.output[0]]
+                if axis is None:
+                    weight = torch.fake_quantize_per_tensor_affine(
+                        self.parameter(w), float(scale[0]), 0, -128, 127
+                    )
+                else:
+                    weight = torch.fake_quantize_per_channel_affine(
+                        self.parameter(w), torch.from_numpy(scale),
+                        torch.zeros(scale.size, dtype=torch.int32), axis, -128, 127,
+                    )  # fmt: skip
+                env[node.output[0]] = weight
+                continue
             if op in ("Cast", "Mul") and rescaled & set(ins):
                 env[node.output[0]] = env[next(i for i in ins if i in rescaled)]
-                rescaled.add(node.output[0])
+                if op == "Cast":  # the Mul by the scales ends the chain
+                    rescaled.add(node.output[0])
                 continue
             if op == "Mul" and any(env.get(i, 0) is None for i in ins):
                 continue  # the activation's scale times the weight's: unread here
@@ -232,7 +284,8 @@ class FakeQuantized(torch.nn.Module):
             y = (x[0].t() if a.get("transA", 0) else x[0]) @ w
             return y + x[2] if len(x) > 2 else y
         if op == "ReduceMean":
-            return x[0].mean(tuple(a["axes"]), keepdim=bool(a.get("keepdims", 1)))
+            axes = a["axes"] if "axes" in a else [int(d) for d in x[1]]  # (an input from opset 18)
+            return x[0].mean(tuple(axes), keepdim=bool(a.get("keepdims", 1)))
         simple = {
             "Relu": lambda: torch.relu(x[0]), "Add": lambda: x[0] + x[1],
             "Mul": lambda: x[0] * x[1], "MatMul": lambda: x[0] @ x[1],
@@ -244,7 +297,9 @@ class FakeQuantized(torch.nn.Module):
             "LeakyRelu": lambda: F.leaky_relu(x[0], a.get("alpha", 0.01)),
             "Concat": lambda: torch.cat(x, a["axis"]),
             "Unsqueeze": lambda: _unsqueeze(x[0], x[1]),
-            "Squeeze": lambda: x[0].squeeze(int(x[1].reshape(-1)[0])),
+            "Squeeze": lambda: x[0].squeeze(tuple(int(d) for d in x[1].reshape(-1)))
+            if len(x) > 1
+            else x[0].squeeze(),
         }  # fmt: skip
         return simple[op]()
 
@@ -313,6 +368,21 @@ _TRANSFORMER_OPS = {
     "Expand": lambda a, x: x[0] * torch.ones(tuple(int(d) for d in x[1]), dtype=x[0].dtype),
     "Cast": lambda a, x: x[0].to(_TORCH_TYPES[a["to"]]),
     "GatherElements": lambda a, x: torch.gather(x[0], a.get("axis", 0), x[1].long()),
+    # T5's relative position buckets and RMS norms
+    "Constant": lambda a, x: torch.from_numpy(numpy_helper.to_array(a["value"]).copy()),
+    "ConstantOfShape": lambda a, x: torch.full(
+        tuple(int(d) for d in x[0]), float(numpy_helper.to_array(a["value"]).reshape(-1)[0])
+    ),
+    "Abs": lambda a, x: x[0].abs(),
+    "Neg": lambda a, x: -x[0],
+    "Log": lambda a, x: torch.log(x[0]),
+    "Sqrt": lambda a, x: torch.sqrt(x[0]),
+    "Pow": lambda a, x: x[0] ** x[1],
+    "Min": lambda a, x: torch.minimum(x[0], x[1]),
+    "Max": lambda a, x: torch.maximum(x[0], x[1]),
+    "Less": lambda a, x: x[0] < x[1],
+    "GatherND": lambda a, x: x[0][tuple(x[1].long().unbind(-1))],  # (batch_dims 0)
+    "Greater": lambda a, x: x[0] > x[1],
 }
 _TORCH_TYPES = {
     onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.INT64: torch.int64,
