@@ -894,10 +894,11 @@ def test_the_float_model_goes_out_without_quantization(files, case, tmp_path):
     assert np.abs(floats[0] - floats[1]).max() <= 0.05 * float(np.abs(floats[1]).max())
 
 
-@pytest.mark.parametrize("form", ["static-qdq", "dynamic"])
+@pytest.mark.parametrize("form", ["static-qdq", "static-qoperator", "dynamic"])
 def test_a_quantized_bert_fine_tunes_and_comes_back_in_its_form(form, tmp_path):
     """transformers' BERT (two layers, TorchScript's export), quantized by
-    onnxruntime's quantize_static (QDQ, per channel) or quantize_dynamic."""
+    onnxruntime's quantize_static (QDQ or QOperator, per channel) or
+    quantize_dynamic."""
     from _transformers_zoo import exported
     from onnxruntime.quantization import quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -913,8 +914,11 @@ def test_a_quantized_bert_fine_tunes_and_comes_back_in_its_form(form, tmp_path):
     if form == "dynamic":
         quantize_dynamic(source, target)
     else:
-        quantized_file(source, target, [feeds] * 2, per_channel=True)
+        fmt = "QOperator" if form == "static-qoperator" else "QDQ"
+        quantized_file(source, target, [feeds] * 2, fmt=fmt, per_channel=True)
     original = onnx.load(target)
+    if form == "static-qoperator":  # (its attention's softmax too: com.microsoft's)
+        assert {"QLinearMatMul", "QLinearSoftmax"} <= set(_ops(original))
     int8 = _int8_weights(original)
     layer = OnnxModule(target)
     trained = dict(layer.named_onnx_parameters())

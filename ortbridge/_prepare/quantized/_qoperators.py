@@ -37,9 +37,10 @@ _SIMPLE = {
     "QLinearLeakyRelu": ((_MS,), "LeakyRelu", [(0, 1, 2)], (3, 4)),
     "QLinearAveragePool": ((_MS,), "AveragePool", [(0, 1, 2)], (3, 4)),
     "QLinearGlobalAveragePool": ((_MS,), "GlobalAveragePool", [(0, 1, 2)], (3, 4)),
+    "QLinearSoftmax": ((_MS,), "Softmax", [(0, 1, 2)], (3, 4)),
 }
 #: Attributes of the QOperator node the float op does not take.
-_NOT_FLOAT = {"channels_last"}
+_NOT_FLOAT = {"channels_last", "opset"}
 
 
 def has_qoperators(model: onnx.ModelProto) -> bool:
@@ -190,6 +191,10 @@ class _Writer:
     def simple(self):
         _, op, operands, output = _SIMPLE[self.node.op_type]
         if self.attrs.get("channels_last", 0):
+            return None
+        if op == "Softmax" and self.attrs.get("axis", -1) != -1:
+            # Its ``opset`` attribute says whether it flattens from the axis
+            # (before 13) or normalises along it; over the last axis both agree.
             return None
         inputs = [self.dequantized(*(self._input(p) for p in ops)) for ops in operands]
         y = self._float_op(op, inputs)
