@@ -239,11 +239,9 @@ def _assert_trains_as_torch(layer, model, inputs, unmatched: int = 0) -> list[st
     return missing
 
 
-def test_a_bert_with_fused_attention_trains_as_torch(tmp_path):
-    """Eager attention lets the optimizer fuse it: EmbedLayerNormalization,
-    Attention (packed QKV, a mask index of one length a sequence),
-    SkipLayerNormalization and BiasGelu; gradients against torch's on the
-    same model, each laid out as the file holds it."""
+def _bert_with_fused_attention(tmp_path) -> tuple:
+    """(torch model, ids, mask, the optimizer's file): eager attention lets
+    the optimizer fuse it."""
     import transformers as tf
     from _transformers_zoo import Hidden
     from conftest import export_torchscript
@@ -268,7 +266,14 @@ def test_a_bert_with_fused_attention_trains_as_torch(tmp_path):
         ),
         source,
     )  # fmt: skip
-    path = _optimized(source, str(tmp_path / "fused.onnx"), fused=True)
+    return model, ids, mask, _optimized(source, str(tmp_path / "fused.onnx"), fused=True)
+
+
+def test_a_bert_with_fused_attention_trains_as_torch(tmp_path):
+    """EmbedLayerNormalization, Attention (packed QKV, a mask index of one
+    length a sequence), SkipLayerNormalization and BiasGelu; gradients
+    against torch's on the same model, each laid out as the file holds it."""
+    model, ids, mask, path = _bert_with_fused_attention(tmp_path)
     ops = _fused_ops(path)
     assert ops["Attention"] == 2 and ops["EmbedLayerNormalization"] == 1, ops
     layer = OnnxModule(path)
@@ -277,6 +282,66 @@ def test_a_bert_with_fused_attention_trains_as_torch(tmp_path):
     _assert_trains_as_torch(layer, model, (ids, mask))
     # Attention's packed weight (one per layer) and the feed-forward products.
     _lora_trains_and_comes_back_fused(path, (ids, mask), tmp_path, 8)
+
+
+def test_a_dynamically_quantized_fused_bert_trains_and_comes_back_in_its_form(tmp_path):
+    """``quantize_dynamic`` on the optimizer's fused BERT (optimum's O2 file
+    quantized): com.microsoft ``QAttention`` and ``QEmbedLayerNormalization``
+    beside ``MatMulInteger``. Every integer weight trains; eval equals the
+    file; gradients agree with the float fused file's at the dequantized
+    weights (the activations' dynamic rounding aside: direction and size); a
+    loss falls; ``save()`` writes the quantized fused nodes back."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    _, ids, mask, path = _bert_with_fused_attention(tmp_path)
+    target = str(tmp_path / "fused-int8.onnx")
+    # (the quantizer cannot type the fused nodes' outputs: they are float)
+    quantize_dynamic(path, target, extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    ops = _fused_ops(target)
+    assert ops["QAttention"] == 2 and ops["QEmbedLayerNormalization"] == 1, ops
+    quantized = {
+        i.name for i in onnx.load(target).graph.initializer
+        if i.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+        and not i.name.endswith("zero_point")
+    }  # fmt: skip
+    layer = OnnxModule(target)
+    trained = dict(layer.named_onnx_parameters())
+    assert len(quantized) >= 12 and quantized <= set(trained), sorted(quantized - set(trained))
+    feeds = {"x": ids.numpy(), "mask": mask.numpy()}
+    expected = onnxruntime.InferenceSession(target).run(None, feeds)[0]
+    layer.eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(layer(ids, mask).numpy(), expected, rtol=1e-5, atol=1e-5)
+    # The float file holding the module's (dequantized) weights: quantize_dynamic
+    # names a weight's integers after it ("<name>_quantized").
+    twin = onnx.load(path)
+    for init in twin.graph.initializer:
+        if f"{init.name}_quantized" in trained:
+            value = trained[f"{init.name}_quantized"].detach().numpy()
+            init.CopyFrom(onnx.numpy_helper.from_array(value.reshape(init.dims), init.name))
+    reference = OnnxModule(twin)
+    layer.train()
+    out, want = layer(ids, mask), reference(ids, mask)
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * weights).sum().backward()
+    (want * weights).sum().backward()
+    theirs = dict(reference.named_onnx_parameters())
+    for name, p in trained.items():
+        other = theirs[name[: -len("_quantized")] if name in quantized else name].grad
+        cosine = float(torch.nn.functional.cosine_similarity(p.grad.flatten(), other.flatten(), 0))
+        assert cosine > 0.999 and abs(float(p.grad.norm() / other.norm()) - 1) < 0.02, name
+    assert_steps_lower(
+        torch.optim.SGD(layer.parameters(), lr=0.05), lambda: (layer(ids, mask) * weights).sum(), 3
+    )
+    saved = tmp_path / "fine-tuned.onnx"
+    layer.save(saved)
+    assert _fused_ops(saved) == ops
+    layer.eval()
+    with torch.no_grad():
+        mine = layer(ids, mask).numpy()
+    theirs_out = onnxruntime.InferenceSession(str(saved)).run(None, feeds)[0]
+    np.testing.assert_allclose(mine, theirs_out, rtol=1e-5, atol=scaled_atol(1e-5, theirs_out))
+    assert np.abs(mine - expected).max() > 1e-3  # it moved
 
 
 def test_float32_master_weights_of_a_float16_file(bert, tmp_path):

@@ -18,7 +18,11 @@ A ``MatMulInteger`` weight scaled per
 column (``quantize_dynamic(..., per_channel=True)``) is read per axis. A saved
 file keeps the integer nodes.
 onnxruntime's optimiser fuses them into com.microsoft ``DynamicQuantizeMatMul``
-and ``MatMulIntegerToFloat``, read the same way.
+and ``MatMulIntegerToFloat``, read the same way; on a file the transformer
+optimizer fused first, ``quantize_dynamic`` writes com.microsoft
+``QAttention`` and ``QEmbedLayerNormalization``, read as ``Attention`` and
+``EmbedLayerNormalization`` of their operands' ``DequantizeLinear`` (the
+fused-op decompositions then differentiate those).
 """
 
 from __future__ import annotations
@@ -138,6 +142,27 @@ _FUSED = {
 }
 
 
+#: Quantized fused nodes: op type -> (float op, [(data, scale, zero point)
+#: positions of each quantized operand], the float op's inputs: an int is
+#: the node's input there, a str "q<k>" the k-th operand dequantized).
+_QUANTIZED_FUSIONS = {
+    "QAttention": (
+        "Attention", [(0, 3, 6), (1, 4, 7)], ["q0", "q1", 2, 5, 8],
+    ),
+    "QEmbedLayerNormalization": (
+        "EmbedLayerNormalization",
+        [(2, 8, 13), (3, 9, 14), (4, 10, 15), (5, 11, 16), (6, 12, 17)],
+        [0, 1, "q0", "q1", "q2", "q3", "q4", 7],
+    ),
+}  # fmt: skip
+
+
+def _quantized_fusions(model: onnx.ModelProto):
+    for node in model.graph.node:
+        if node.domain == "com.microsoft" and node.op_type in _QUANTIZED_FUSIONS:
+            yield node
+
+
 def _fused(model: onnx.ModelProto):
     inits = {i.name for i in model.graph.initializer}
     for node in model.graph.node:
@@ -159,13 +184,56 @@ def integer_products(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str, 
 
 
 def has_dynamic(model: onnx.ModelProto) -> bool:
-    return next(_matches(model), None) is not None or next(_fused(model), None) is not None
+    return any(
+        next(found(model), None) is not None for found in (_matches, _fused, _quantized_fusions)
+    )
+
+
+def quantized_fusions_as_pairs(model: onnx.ModelProto) -> None:
+    """com.microsoft ``QAttention`` and ``QEmbedLayerNormalization`` as their
+    float fused op of ``DequantizeLinear`` operands (a weight scaled per
+    column: per axis 1), in place; the node's outputs keep their names."""
+    found = list(_quantized_fusions(model))
+    if not found:
+        return
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    taken = _all_names(graph)
+    replaced = {}
+    for node in found:
+        float_op, operands, inputs = _QUANTIZED_FUSIONS[node.op_type]
+        base = node.name or node.output[0]
+        nodes, dequantized = [], []
+        for data, scale, zero in operands:
+            data, scale, zero = (_at(node, p) for p in (data, scale, zero))
+            name = _unique(f"{base}/{data}/dequantized", taken)
+            per_column = scale in inits and len(inits[scale].dims) == 1 and inits[scale].dims[0] > 1
+            nodes.append(
+                helper.make_node(
+                    "DequantizeLinear", [data, scale] + ([zero] if zero else []), [name], name,
+                    **({"axis": 1} if per_column else {}),
+                )
+            )  # fmt: skip
+            dequantized.append(name)
+        args = [dequantized[int(i[1:])] if isinstance(i, str) else _at(node, i) for i in inputs]
+        while args and not args[-1]:
+            args.pop()
+        fused = helper.make_node(float_op, args, list(node.output), base, domain=node.domain)
+        fused.attribute.extend(node.attribute)
+        replaced[node.output[0]] = [*nodes, fused]
+    rewritten = []
+    for node in graph.node:
+        rewritten.extend(replaced.get(node.output[0], [node]) if node.output else [node])
+    del graph.node[:]
+    graph.node.extend(rewritten)
 
 
 def fused_as_pairs(model: onnx.ModelProto) -> None:
     """com.microsoft ``DynamicQuantizeMatMul`` (A quantized inside, as
     ``DynamicQuantizeLinear`` quantizes it) and ``MatMulIntegerToFloat`` as
-    ``MatMul`` of ``DequantizeLinear`` operands, plus the bias."""
+    ``MatMul`` of ``DequantizeLinear`` operands, plus the bias; the quantized
+    fused nodes as :func:`quantized_fusions_as_pairs` writes them."""
+    quantized_fusions_as_pairs(model)
     found = list(_fused(model))
     if not found:
         return
