@@ -189,6 +189,25 @@ def has_dynamic(model: onnx.ModelProto) -> bool:
     )
 
 
+def _dequantize(data: str, scale: str, zero: str, name: str, inits) -> onnx.NodeProto:
+    """``DequantizeLinear`` of ``data`` into ``name``: per axis 1 where the scale
+    is a vector (a weight scaled per column)."""
+    per_column = scale in inits and len(inits[scale].dims) == 1 and inits[scale].dims[0] > 1
+    inputs = [data, scale] + ([zero] if zero else [])
+    return helper.make_node(
+        "DequantizeLinear", inputs, [name], name, **({"axis": 1} if per_column else {})
+    )
+
+
+def _splice(graph: onnx.GraphProto, replaced: dict) -> None:
+    """Each node whose first output ``replaced`` names replaced by its nodes."""
+    rewritten = []
+    for node in graph.node:
+        rewritten.extend(replaced.get(node.output[0], [node]) if node.output else [node])
+    del graph.node[:]
+    graph.node.extend(rewritten)
+
+
 def quantized_fusions_as_pairs(model: onnx.ModelProto) -> None:
     """com.microsoft ``QAttention`` and ``QEmbedLayerNormalization`` as their
     float fused op of ``DequantizeLinear`` operands (a weight scaled per
@@ -204,28 +223,17 @@ def quantized_fusions_as_pairs(model: onnx.ModelProto) -> None:
         float_op, operands, inputs = _QUANTIZED_FUSIONS[node.op_type]
         base = node.name or node.output[0]
         nodes, dequantized = [], []
-        for data, scale, zero in operands:
-            data, scale, zero = (_at(node, p) for p in (data, scale, zero))
-            name = _unique(f"{base}/{data}/dequantized", taken)
-            per_column = scale in inits and len(inits[scale].dims) == 1 and inits[scale].dims[0] > 1
-            nodes.append(
-                helper.make_node(
-                    "DequantizeLinear", [data, scale] + ([zero] if zero else []), [name], name,
-                    **({"axis": 1} if per_column else {}),
-                )
-            )  # fmt: skip
-            dequantized.append(name)
+        for slots in operands:
+            data, scale, zero = (_at(node, p) for p in slots)
+            dequantized.append(_unique(f"{base}/{data}/dequantized", taken))
+            nodes.append(_dequantize(data, scale, zero, dequantized[-1], inits))
         args = [dequantized[int(i[1:])] if isinstance(i, str) else _at(node, i) for i in inputs]
         while args and not args[-1]:
             args.pop()
         fused = helper.make_node(float_op, args, list(node.output), base, domain=node.domain)
         fused.attribute.extend(node.attribute)
         replaced[node.output[0]] = [*nodes, fused]
-    rewritten = []
-    for node in graph.node:
-        rewritten.extend(replaced.get(node.output[0], [node]) if node.output else [node])
-    del graph.node[:]
-    graph.node.extend(rewritten)
+    _splice(graph, replaced)
 
 
 def fused_as_pairs(model: onnx.ModelProto) -> None:
@@ -251,31 +259,14 @@ def fused_as_pairs(model: onnx.ModelProto) -> None:
             nodes.append(helper.make_node("DynamicQuantizeLinear", [a], [q, a_scale, a_zero], q))
             a = q
         a_f, b_f = fresh("a_dequantized"), fresh("b_dequantized")
-        nodes.append(
-            helper.make_node(
-                "DequantizeLinear", [a, a_scale] + ([a_zero] if a_zero else []), [a_f], a_f
-            )
-        )
-        per_column = len(inits[b_scale].dims) == 1 and inits[b_scale].dims[0] > 1
-        nodes.append(
-            helper.make_node(
-                "DequantizeLinear",
-                [b, b_scale] + ([b_zero] if b_zero else []),
-                [b_f],
-                b_f,
-                **({"axis": 1} if per_column else {}),
-            )  # fmt: skip
-        )
+        nodes.append(_dequantize(a, a_scale, a_zero, a_f, inits))
+        nodes.append(_dequantize(b, b_scale, b_zero, b_f, inits))
         product = fresh("product") if bias else node.output[0]
         nodes.append(helper.make_node("MatMul", [a_f, b_f], [product], base))
         if bias:
             nodes.append(helper.make_node("Add", [product, bias], [node.output[0]], fresh("bias")))
-        replaced[id(node)] = nodes
-    rewritten = []
-    for node in graph.node:
-        rewritten.extend(replaced.get(id(node), [node]))
-    del graph.node[:]
-    graph.node.extend(rewritten)
+        replaced[node.output[0]] = nodes
+    _splice(graph, replaced)
 
 
 def dynamic_as_pairs(model: onnx.ModelProto) -> None:
