@@ -75,6 +75,11 @@ def _llama():
     return tf.LlamaModel(config), _tokens(masked=False)
 
 
+def _phi():
+    config = tf.PhiConfig(vocab_size=50, **_TEXT)
+    return tf.PhiModel(config), _tokens(masked=False)
+
+
 def _t5():
     config = tf.T5Config(d_model=16, d_kv=8, num_heads=2, d_ff=32, num_layers=2, vocab_size=50)
     return tf.T5EncoderModel(config), _tokens()
@@ -169,6 +174,7 @@ ZOO = {
     "distilbert": _distilbert,
     "gpt2": _gpt2,
     "llama": _llama,
+    "phi": _phi,
     "t5-encoder": _t5,
     "whisper-encoder": _whisper,
     "wav2vec2": _wav2vec2,

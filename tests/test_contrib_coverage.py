@@ -314,3 +314,43 @@ def test_weights_after_a_fused_node_left_as_it_is_train_and_those_before_are_nam
     form = r"'gqa' \(op type GroupQueryAttention\) \(not decomposed: a (local window|past, window)"
     with pytest.raises(NotDifferentiableError, match=form):
         OnnxModule(model, trainable=["wq"], backend="onnxruntime")
+
+
+def test_a_contrib_op_with_no_decomposition_wraps_and_the_weights_after_it_train():
+    """com.microsoft ``Inverse`` has no decomposition and onnx knows no
+    contrib op's shapes: onnxruntime's own shape inference gives its
+    output's rank, so the file wraps, the weight after it trains (its
+    gradient from onnxruntime's own intermediate) and the one before it is
+    frozen and named."""
+    import onnxruntime
+
+    rng = np.random.default_rng(0)
+    w, wo = (rng.standard_normal((3, 3)).astype(np.float32) + 3 * np.eye(3, dtype=np.float32),
+             rng.standard_normal((3, 2)).astype(np.float32))  # fmt: skip
+    nodes = [
+        h.make_node("MatMul", ["x", "w"], ["a"]),
+        h.make_node("Inverse", ["a"], ["inv"], name="inverse", domain="com.microsoft"),
+        h.make_node("MatMul", ["inv", "wo"], ["y"]),
+    ]
+    graph = h.make_graph(
+        nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [2, 3, 3])],
+        [h.make_tensor_value_info("y", T.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(wo, "wo")],
+    )  # fmt: skip
+    ms = "com.microsoft"
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(ms, 1)])
+    model.ir_version = 8
+    with pytest.warns(UserWarning, match=r"'inverse' \(op type Inverse\) has no gradient here"):
+        layer = OnnxModule(model)
+    assert [n for n, _ in layer.named_onnx_parameters()] == ["wo"]
+    x = (np.eye(3, dtype=np.float32) + 0.1 * rng.standard_normal((2, 3, 3))).astype(np.float32)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(h.make_tensor_value_info("inv", T.FLOAT, None))
+    y, inv = onnxruntime.InferenceSession(probe.SerializeToString()).run(None, {"x": x})
+    out = layer(torch.from_numpy(x))
+    torch.testing.assert_close(out, torch.from_numpy(y), rtol=1e-5, atol=1e-5)
+    cotangent = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * cotangent).sum().backward()
+    want = np.einsum("bij,bik->jk", inv, cotangent.numpy())
+    np.testing.assert_allclose(layer.onnx_weight("wo").grad.numpy(), want, rtol=1e-4, atol=1e-5)

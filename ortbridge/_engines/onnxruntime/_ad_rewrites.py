@@ -69,7 +69,7 @@ from ortbridge.exceptions import OnnxModelError
 from . import _ad_rewrites_conv as conv
 from ._ad_rewrites_bodies import _inferred, _opset, rewrite_bodies
 from ._ad_rewrites_conv import copy_node, ints
-from ._ad_rewrites_fused import fused_as_standard
+from ._ad_rewrites_fused import declare_foreign_ranks, fused_as_standard
 from ._ad_rewrites_pad import copying_pad
 from ._ad_rewrites_quant import fake_quantize_nodes, quantized_lstms_as_float
 from ._ad_rewrites_slice import strided_slice
@@ -152,7 +152,7 @@ def prepare_for_reverse(model: onnx.ModelProto) -> onnx.ModelProto:
     except OnnxModelError:  # onnx-ad then refuses, by name, the nodes that need opset 16
         model = copy
     integer_products_as_pairs(model)  # the file's ConvInteger / MatMulInteger, in float
-    model = fused_as_standard(quantized_lstms_as_float(model))
+    model = declare_foreign_ranks(fused_as_standard(quantized_lstms_as_float(model)))
     model = _shapes_folded(rewrite_bodies(sequences_as_tensors(model)))
     graph = model.graph
     g = _Graph(model)

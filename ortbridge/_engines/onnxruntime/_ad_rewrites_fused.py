@@ -64,6 +64,12 @@ to float rounding). Inference sessions run the file's fused kernels.
   halves or interleaved pairs; the caches are not differentiated (frozen).
   Packed batching, a scale and four-axis input are left: refused by name.
 
+A com.microsoft node with no decomposition (such as ``Inverse``) is left
+too, its outputs' ranks
+declared as onnxruntime's own shape inference gives them
+(:func:`declare_foreign_ranks`): onnx-ad then refuses it by name, and the
+weights after it train.
+
 Every writer shares one ``_Writer``'s naming, constants and its LayerNorm,
 RMS and attention pieces, so the fusions stay in one module (the folder
 holds the most modules the layout allows).
@@ -162,6 +168,48 @@ def _declare_ranks(graph: onnx.GraphProto, node: onnx.NodeProto, shapes, elem: i
             continue
         size = ranks[index] or rank
         graph.value_info.append(helper.make_tensor_value_info(out, elem, [None] * size))
+
+
+def declare_foreign_ranks(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the undeclared outputs of its com.microsoft nodes (onnx
+    knows no contrib op's shapes) declared as onnxruntime types them (an
+    inference session resolves each contrib op's shapes); in place,
+    returned. A graph onnxruntime cannot load is returned as it is."""
+    graph = model.graph
+    known = {vi.name for vi in [*graph.value_info, *graph.output, *graph.input]}
+    known |= {i.name for i in graph.initializer}
+    unknown = [
+        out for node in graph.node if node.domain == _MS
+        for out in node.output if out and out not in known
+    ]  # fmt: skip
+    if not unknown:
+        return model
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in unknown)
+    try:
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+        session = onnxruntime.InferenceSession(
+            probe.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+    except Exception:  # (onnx-ad then says which rank it lacks)
+        return model
+    for arg in session.get_outputs():
+        elem = _ORT_TYPES.get(arg.type)
+        if arg.name in unknown and elem is not None and arg.shape is not None:
+            dims = [d if isinstance(d, int) else None for d in arg.shape]
+            graph.value_info.append(helper.make_tensor_value_info(arg.name, elem, dims))
+    return model
+
+
+#: onnxruntime's type strings of the tensors a declared output may hold.
+_ORT_TYPES = {
+    f"tensor({name})": helper.np_dtype_to_tensor_dtype(np.dtype(name))
+    for name in ("float16", "float32", "float64", "int32", "int64", "int8", "uint8", "bool")
+} | {"tensor(float)": TensorProto.FLOAT, "tensor(double)": TensorProto.DOUBLE}
 
 
 def _fused(node: onnx.NodeProto) -> bool:
