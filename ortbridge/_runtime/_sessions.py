@@ -185,6 +185,12 @@ def _needs_basic_level(model: onnx.ModelProto) -> bool:
 
 _CUDA = "CUDAExecutionProvider"
 
+#: onnxruntime optimisers that fail to load some valid graphs, by their
+#: error: the session is made again without them. MatMulAddFusion on the
+#: transformer optimizer's file of a dynamo-exported BERT (onnxruntime 1.31:
+#: "Attempt to replace the existing tensor"; the file loads with it off).
+_FAILING_OPTIMIZERS = {"Attempt to replace the existing tensor": "MatMulAddFusion"}
+
 
 def _no_cuda_provider(device: torch.device, problem: str) -> MissingDependencyError:
     """The error for a session on a CUDA device that onnxruntime would run on the CPU."""
@@ -233,7 +239,13 @@ def make_session(
             model, options, providers=chosen, disabled_optimizers=disabled or None
         )
     except Exception as exc:
-        raise load_error(exc, graph, what) from exc
+        failing = next((o for m, o in _FAILING_OPTIMIZERS.items() if m in str(exc)), None)
+        if failing is None or failing in (disabled or ()):
+            raise load_error(exc, graph, what) from exc
+        return make_session(
+            model, options, device=device, providers=providers,
+            disabled=[*(disabled or ()), failing], what=what, graph=graph,
+        )  # fmt: skip
     # Where the provider's CUDA libraries do not load, onnxruntime logs it
     # and builds the session for the CPU alone: said here, with the fix.
     if cuda and _CUDA not in session.get_providers():
