@@ -722,16 +722,20 @@ def test_optimized_files_of_torch_s_dynamo_exporter_train_as_torch(name, tmp_pat
     _lora_trains_and_comes_back_fused(path, inputs, tmp_path, _PRODUCTS_ALL[name])
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("name", list(_ARCHITECTURES))
-def test_float16_optimized_files_train_as_torch_with_float32_master_weights(name, tmp_path):
-    """Each optimized file converted to float16 (onnxconverter-common,
-    ``keep_io_types``), held as float32 master weights: outputs and every
+def test_float16_optimized_files_train_as_torch_with_float32_master_weights(
+    name, exporter, tmp_path
+):
+    """Each optimized file (both exporters) converted to float16
+    (onnxconverter-common, ``keep_io_types``), held as float32 master
+    weights: outputs and every
     weight's gradient within 1e-2 of torch's (relative to the largest
     element), a few steps lower a loss, and the saved file keeps its fused
     nodes and float16 weights and runs as the module."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    model, inputs, fused = _optimized_file(name, "torchscript", tmp_path)
+    model, inputs, fused = _optimized_file(name, exporter, tmp_path)
     path = str(tmp_path / f"{name}-float16.onnx")
     onnx.save(convert_float_to_float16(onnx.load(fused), keep_io_types=True), path)
     layer = OnnxModule(path, dtype=torch.float32)
@@ -750,19 +754,23 @@ def test_float16_optimized_files_train_as_torch_with_float32_master_weights(name
         assert p.dtype == torch.float32
         value = p.detach().numpy().astype(np.float16).astype(np.float32)
         wanted[weight] = _torch_gradient_like_rounded(value, params)
-        assert wanted[weight] is not None, f"no torch parameter holds {weight}"
+    # The dynamo exporter folds up to two tensors computed from parameters
+    # into weights of their own (see the float32 test above).
+    derived = [w for w, want in wanted.items() if want is None]
+    assert len(derived) <= (2 if exporter == "dynamo" else 0), f"no torch parameter holds {derived}"
     # 1e-2 of each gradient's largest element; a gradient torch has at zero
     # (a key projection's bias: softmax ignores it) is float16 noise there.
-    floor = 1e-3 * max(float(w.abs().max()) for w in wanted.values())
+    floor = 1e-3 * max(float(w.abs().max()) for w in wanted.values() if w is not None)
     for weight, p in trained.items():
         want = wanted[weight]
-        assert (p.grad - want).abs().max() <= 1e-2 * want.abs().max() + floor, weight
+        if want is not None:
+            assert (p.grad - want).abs().max() <= 1e-2 * want.abs().max() + floor, weight
     optimizer = torch.optim.Adam(layer.parameters(), lr=1e-3)
     assert_steps_lower(optimizer, lambda: (layer(*inputs) * weights).sum(), 3)
     saved = tmp_path / "fine-tuned.onnx"
     layer.save(saved)
     assert _fused_ops(saved) == _fused_ops(path) and _halves(saved) == halves
-    session = onnxruntime.InferenceSession(str(saved))
+    session = _session(saved, path)
     feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
     layer.eval()
     with torch.no_grad():
