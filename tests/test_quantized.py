@@ -1129,6 +1129,98 @@ def test_a_quantized_weight_of_a_form_not_read_is_named_not_frozen_silently(file
         OnnxModule(files["cnn", "dynamic"], backend="onnxruntime")
 
 
+class _SplitPadResize(torch.nn.Module):
+    """Ops the QOperator form runs on the integers themselves: a Split, a
+    constant Pad (of the zero point) and a nearest Resize."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(4, 4, 3)
+        self.c, self.fc = torch.nn.Conv2d(8, 4, 1), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        p, q = torch.split(torch.relu(self.a(x)), [4, 4], 1)
+        p = self.b(F.pad(p, (1, 1, 1, 1)))
+        up = F.interpolate(torch.cat([p, q], 1), scale_factor=2, mode="nearest")
+        return self.fc(self.c(up).mean((2, 3)))
+
+
+def test_ops_the_qoperator_form_runs_on_integers_pass_the_gradient(tmp_path):
+    """QSplit, QPad and QResize (a Split, Pad and Resize of the integers)
+    read as their float op between pairs of the same scale: every weight
+    before them trains (Resize's had stayed frozen without a word), eval
+    equals the file, and the gradients equal the QDQ twin's (the same
+    calibration: the same scales), a loss falls, the file comes back."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    exported = export_torchscript(
+        _SplitPadResize().eval(), (x,), input_names=["x"], output_names=["y"],
+        dynamic_axes={"x": {0: "n"}},
+    )  # fmt: skip
+    onnx.save(exported, tmp_path / "exported.onnx")
+    source = str(tmp_path / "source.onnx")
+    quant_pre_process(str(tmp_path / "exported.onnx"), source, skip_symbolic_shape=True)
+    batches = _batches((2, 3, 8, 8))
+    paths = {
+        fmt: quantized_file(source, str(tmp_path / f"{fmt}.onnx"), batches, fmt=fmt,
+                            per_channel=True)
+        for fmt in ("QOperator", "QDQ")
+    }  # fmt: skip
+    original = onnx.load(paths["QOperator"])
+    assert {"Split", "Pad", "Resize"} <= set(_ops(original))
+    layers = {fmt: OnnxModule(path) for fmt, path in paths.items()}
+    trained = dict(layers["QOperator"].named_onnx_parameters())
+    assert set(trained) == {f"{m}.{p}_quantized" for m in "abc" for p in ("weight", "bias")} | {
+        "fc.weight_quantized", "fc.bias_quantized"
+    }  # fmt: skip
+    expected = onnxruntime.InferenceSession(paths["QOperator"]).run(None, {"x": x.numpy()})[0]
+    layers["QOperator"].eval()
+    with torch.no_grad():
+        np.testing.assert_array_equal(layers["QOperator"](x).numpy(), expected)
+    cotangent = torch.linspace(-1, 1, 6).reshape(2, 3)
+    for layer in layers.values():
+        (layer.train()(x) * cotangent).sum().backward()
+    twin = dict(layers["QDQ"].named_onnx_parameters())
+    for name, p in trained.items():
+        want = twin[name].grad
+        assert float(want.abs().max()) > 0, name
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=scaled_atol(1e-5, want))
+    layer = layers["QOperator"]
+    assert_adam_lowers(layer.parameters(), lambda: (layer(x) * cotangent).sum(), lr=1e-3)
+    _saved_in_its_form(layer, original, tmp_path / "fine-tuned.onnx")
+
+
+def test_a_quantized_weight_no_gradient_reaches_is_named_not_frozen_silently(files, tmp_path):
+    """An op the file runs on integers that ortbridge does not read as its
+    float op (a Tile, here, after the first convolution's output pair) stops
+    the gradient: the weights before it stay frozen, and the module says so,
+    naming the node."""
+    model = onnx.load(files["cnn", "per-tensor-uint8"])
+    graph = model.graph
+    conv = next(n for n in graph.node if n.op_type == "Conv")
+    quantize = next(n for n in graph.node if n.op_type == "QuantizeLinear" and
+                    n.input[0] in [r.output[0] for r in graph.node if conv.output[0] in r.input]
+                    + [conv.output[0]])  # fmt: skip
+    tiled = f"{quantize.output[0]}_tiled"
+    for reader in graph.node:
+        if quantize.output[0] in reader.input:
+            reader.input[list(reader.input).index(quantize.output[0])] = tiled
+    repeats = onnx.numpy_helper.from_array(np.ones(4, np.int64), "repeats")
+    graph.initializer.append(repeats)
+    graph.node.insert(list(graph.node).index(quantize) + 1,
+                      onnx.helper.make_node("Tile", [quantize.output[0], "repeats"], [tiled],
+                                            name="tile"))  # fmt: skip
+    path = str(tmp_path / "tiled.onnx")
+    onnx.save(model, path)
+    with pytest.warns(UserWarning, match=r"2 quantized weights stay frozen: no gradient reaches"
+                      r".*node 'tile' \(op type Tile\).*'c1\.bias_quantized'"):  # fmt: skip
+        layer = OnnxModule(path, backend="onnxruntime")
+    trained = {n for n, _ in layer.named_onnx_parameters()}
+    assert "c1.weight_quantized" not in trained and "c2.weight_quantized" in trained
+
+
 #: A published dynamically quantized CRNN: ddddocr's captcha recogniser (21
 #: ConvInteger, a MatMulInteger and a bidirectional DynamicQuantizeLSTM, by
 #: onnx's older quantizer: each product's bias added in int32, the float bias

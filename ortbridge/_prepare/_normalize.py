@@ -258,3 +258,43 @@ def _warn_unread(model: onnx.ModelProto, lifted) -> None:
             "weights train (python -m ortbridge inspect lists what trains)",
             stacklevel=4,
         )
+    _warn_unreached(model, set(lifted))
+
+
+#: Nodes that read a weight's or an activation's integers as ortbridge's
+#: gradient does (pairs, integer products, a weight's parts joined).
+_READ_AS_QUANTIZED = frozenset(
+    {"DequantizeLinear", "MatMulInteger", "ConvInteger", "Concat", "DynamicQuantizeLSTM"}
+)
+
+
+def _warn_unreached(model: onnx.ModelProto, lifted: set[str]) -> None:
+    """Name the lifted quantized weights no gradient reaches: an op the file
+    runs on integers between them and the outputs (one that does not commute
+    with the quantization) stops it, and the default freezes them."""
+    if not lifted:
+        return
+    from ._load import _gradient_reachable  # (the summary's walk; it imports this module)
+
+    unreached = lifted - _gradient_reachable(model, lifted)
+    if not unreached:
+        return
+    quantized = {n.output[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    blocking = next(
+        (
+            n for n in model.graph.node
+            if n.op_type not in _READ_AS_QUANTIZED and set(n.input) & quantized
+        ),
+        None,
+    )  # fmt: skip
+    where = (
+        f": node {blocking.name!r} (op type {blocking.op_type}) reads quantized integers"
+        if blocking is not None
+        else ""
+    )
+    warnings.warn(
+        f"{len(unreached)} quantized weights stay frozen: no gradient reaches them through "
+        f"the ops the file runs on integers{where} ({sorted(unreached)[:5]}); the other "
+        "weights train (python -m ortbridge inspect lists what trains)",
+        stacklevel=4,
+    )

@@ -8,7 +8,10 @@ of the result (under the node's own output name, so the nodes reading it
 are unchanged). A bias (int32, scale ``input_scale * weight_scale``, zero
 point 0) gets a ``DequantizeLinear`` with that scale as an initializer of its
 own. Ops the file runs on the integers themselves (a ``MaxPool``, a
-``Reshape``) read the float values between a pair with the same scale.
+``Reshape``, a ``Split``, a ``Resize``, a constant ``Pad`` of the zero
+point) read the float values between a pair with the same scale; a
+weight whose gradient another such op stops is named in a warning
+(:mod:`.._normalize`).
 Then :mod:`._lift` trains the weights as it trains a QDQ file's, and a saved
 file keeps the QOperator nodes (only their integers change).
 
@@ -19,10 +22,12 @@ boundary may come out one quantization step away.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from .._lookup import _all_names, _unique
+from .._onnx_utils import attr
 
 _MS = "com.microsoft"
 _STANDARD = ("", "ai.onnx")
@@ -82,11 +87,14 @@ def qoperators_as_pairs(model: onnx.ModelProto) -> None:
 
 
 #: Ops that move or select a quantized tensor's values (or take a maximum):
-#: in the integers or in their dequantized floats alike.
+#: in the integers or in their dequantized floats alike. (A nearest
+#: ``Resize`` moves values; a linear one rounds its blend to the same grid
+#: either way, up to the rounding of the sum.)
 _COMMUTING = frozenset(
     {
         "MaxPool", "GlobalMaxPool", "Reshape", "Transpose", "Flatten", "Squeeze",
         "Unsqueeze", "Slice", "Gather", "Identity", "DepthToSpace", "SpaceToDepth",
+        "Resize", "Split", "Pad",
     }
 )  # fmt: skip
 
@@ -97,6 +105,7 @@ def _integer_views_as_float(graph: onnx.GraphProto, taken) -> None:
     same scale and zero point (the values do not change): the gradient then
     passes through it as through the float op."""
     producer = {out: node for node in graph.node for out in node.output}
+    inits = {i.name: i for i in graph.initializer}
     nodes = []
     for node in graph.node:
         source = producer.get(node.input[0]) if node.input else None
@@ -105,32 +114,62 @@ def _integer_views_as_float(graph: onnx.GraphProto, taken) -> None:
             or node.domain not in _STANDARD
             or source is None
             or source.op_type != "QuantizeLinear"
-            or len([o for o in node.output if o]) != 1
+            or not all(node.output)
+            or (len(node.output) != 1 and node.op_type != "Split")
         ):
             nodes.append(node)
             continue
+        padding = None
+        if node.op_type == "Pad" and attr(node, "mode", b"constant") in (b"constant", "constant"):
+            constant = _float_padding(node, source, inits, taken)
+            if constant is None:
+                nodes.append(node)
+                continue
+            nodes.append(constant)
+            padding = constant.output[0]
         settings = list(source.input[1:])
         attrs = {a.name: a for a in source.attribute if a.name == "axis"}
         base = node.name or node.output[0]
         dq = _unique(f"{base}/dequantized", taken)
-        out = _unique(f"{base}/float", taken)
+        outs = [_unique(f"{base}/float{i}", taken) for i in range(len(node.output))]
         nodes.append(helper.make_node("DequantizeLinear", [node.input[0], *settings], [dq], dq))
         nodes[-1].attribute.extend(attrs.values())
         float_node = onnx.NodeProto()
         float_node.CopyFrom(node)
         float_node.input[0] = dq
+        if padding is not None:  # the padding value on the float side of the pair
+            del float_node.input[2:]
+            float_node.input.extend([padding, *node.input[3:]])
         del float_node.output[:]
-        float_node.output.append(out)
+        float_node.output.extend(outs)
         nodes.append(float_node)
-        nodes.append(
-            helper.make_node(
-                "QuantizeLinear", [out, *settings], [node.output[0]], _unique(f"{base}/q", taken)
-            )
-        )
-        nodes[-1].attribute.extend(attrs.values())
-        producer[node.output[0]] = nodes[-1]
+        for out, target in zip(outs, node.output):  # each part on the same grid
+            name = _unique(f"{base}/q", taken)
+            nodes.append(helper.make_node("QuantizeLinear", [out, *settings], [target], name))
+            nodes[-1].attribute.extend(attrs.values())
+            producer[target] = nodes[-1]
     del graph.node[:]
     graph.node.extend(nodes)
+
+
+def _float_padding(node, source, inits, taken) -> onnx.NodeProto | None:
+    """A ``Constant`` of what a constant ``Pad`` of integers pads with,
+    dequantized (0 where it pads with the zero point, as onnxruntime's
+    quantizer writes it; a constant, never a weight); None where the pair's
+    settings are not one scale and zero point given as initializers."""
+    scale = inits.get(source.input[1])
+    zero = inits.get(source.input[2]) if len(source.input) > 2 and source.input[2] else None
+    if scale is None or (len(source.input) > 2 and source.input[2] and zero is None):
+        return None
+    scale = numpy_helper.to_array(scale)
+    zero_value = numpy_helper.to_array(zero).astype(np.int64) if zero is not None else np.zeros(())
+    given = node.input[2] if len(node.input) > 2 else ""
+    if scale.size != 1 or zero_value.size != 1 or (given and given not in inits):
+        return None
+    value = numpy_helper.to_array(inits[given]).astype(np.int64) if given else np.zeros(())
+    padded = ((value - zero_value).astype(np.float32) * scale).astype(scale.dtype).reshape(())
+    name = _unique(f"{node.name or node.output[0]}/padding", taken)
+    return helper.make_node("Constant", [], [name], name, value=numpy_helper.from_array(padded))
 
 
 class _Writer:
