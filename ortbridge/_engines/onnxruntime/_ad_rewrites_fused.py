@@ -179,7 +179,7 @@ def declare_foreign_ranks(model: onnx.ModelProto) -> onnx.ModelProto:
     known = {vi.name for vi in [*graph.value_info, *graph.output, *graph.input]}
     known |= {i.name for i in graph.initializer}
     unknown = [
-        out for node in graph.node if node.domain == _MS
+        out for node in graph.node if node.domain == _MS and node.op_type not in _PAIRS
         for out in node.output if out and out not in known
     ]  # fmt: skip
     if not unknown:
@@ -204,6 +204,10 @@ def declare_foreign_ranks(model: onnx.ModelProto) -> onnx.ModelProto:
             graph.value_info.append(helper.make_tensor_value_info(arg.name, elem, dims))
     return model
 
+
+#: com.microsoft's quantization pairs (4-bit weights): rewritten as standard
+#: ops for onnx-ad later (:func:`fake_quantize_nodes`), no session needed.
+_PAIRS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 #: onnxruntime's type strings of the tensors a declared output may hold.
 _ORT_TYPES = {
