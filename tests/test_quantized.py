@@ -1133,30 +1133,34 @@ class _SplitPadResize(torch.nn.Module):
     """Ops the QOperator form runs on the integers themselves: a Split, a
     constant Pad (of the zero point) and a nearest Resize."""
 
-    def __init__(self):
+    def __init__(self, mode: str):
         super().__init__()
         self.a, self.b = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(4, 4, 3)
         self.c, self.fc = torch.nn.Conv2d(8, 4, 1), torch.nn.Linear(4, 3)
+        self.mode = mode
 
     def forward(self, x):
         p, q = torch.split(torch.relu(self.a(x)), [4, 4], 1)
         p = self.b(F.pad(p, (1, 1, 1, 1)))
-        up = F.interpolate(torch.cat([p, q], 1), scale_factor=2, mode="nearest")
+        up = F.interpolate(torch.cat([p, q], 1), scale_factor=2, mode=self.mode)
         return self.fc(self.c(up).mean((2, 3)))
 
 
-def test_ops_the_qoperator_form_runs_on_integers_pass_the_gradient(tmp_path):
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+def test_ops_the_qoperator_form_runs_on_integers_pass_the_gradient(mode, tmp_path):
     """QSplit, QPad and QResize (a Split, Pad and Resize of the integers)
     read as their float op between pairs of the same scale: every weight
     before them trains (Resize's had stayed frozen without a word), eval
-    equals the file, and the gradients equal the QDQ twin's (the same
+    equals the file (a bilinear Resize: onnxruntime's integer kernel rounds
+    its blend otherwise, some outputs a step away there: within 1% here,
+    0.4% measured), and the gradients equal the QDQ twin's (the same
     calibration: the same scales), a loss falls, the file comes back."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8, 8)
     exported = export_torchscript(
-        _SplitPadResize().eval(), (x,), input_names=["x"], output_names=["y"],
+        _SplitPadResize(mode).eval(), (x,), input_names=["x"], output_names=["y"],
         dynamic_axes={"x": {0: "n"}},
     )  # fmt: skip
     onnx.save(exported, tmp_path / "exported.onnx")
@@ -1178,7 +1182,11 @@ def test_ops_the_qoperator_form_runs_on_integers_pass_the_gradient(tmp_path):
     expected = onnxruntime.InferenceSession(paths["QOperator"]).run(None, {"x": x.numpy()})[0]
     layers["QOperator"].eval()
     with torch.no_grad():
-        np.testing.assert_array_equal(layers["QOperator"](x).numpy(), expected)
+        mine = layers["QOperator"](x).numpy()
+    if mode == "nearest":
+        np.testing.assert_array_equal(mine, expected)
+    else:
+        assert np.abs(mine - expected).max() <= 0.01 * np.abs(expected).max()
     cotangent = torch.linspace(-1, 1, 6).reshape(2, 3)
     for layer in layers.values():
         (layer.train()(x) * cotangent).sum().backward()
