@@ -269,9 +269,10 @@ _READ_AS_QUANTIZED = frozenset(
 
 
 def _warn_unreached(model: onnx.ModelProto, lifted: set[str]) -> None:
-    """Name the lifted quantized weights no gradient reaches: an op the file
-    runs on integers between them and the outputs (one that does not commute
-    with the quantization) stops it, and the default freezes them."""
+    """Name the lifted quantized weights no gradient reaches (the default
+    freezes them): an op the file runs on integers between them and the
+    outputs (one not read as its float op) stops it, named where there is
+    one, or the outputs they reach are not float."""
     if not lifted:
         return
     from ._load import _gradient_reachable  # (the summary's walk; it imports this module)
@@ -288,13 +289,13 @@ def _warn_unreached(model: onnx.ModelProto, lifted: set[str]) -> None:
         None,
     )  # fmt: skip
     where = (
-        f": node {blocking.name!r} (op type {blocking.op_type}) reads quantized integers"
+        f" (node {blocking.name!r}, op type {blocking.op_type}, reads quantized integers)"
         if blocking is not None
-        else ""
+        else " (the outputs they lead to are not float: an ArgMax's indices ...)"
     )
     warnings.warn(
-        f"{len(unreached)} quantized weights stay frozen: no gradient reaches them through "
-        f"the ops the file runs on integers{where} ({sorted(unreached)[:5]}); the other "
-        "weights train (python -m ortbridge inspect lists what trains)",
+        f"{len(unreached)} quantized weights stay frozen: no gradient reaches them from the "
+        f"file's float outputs{where}: {sorted(unreached)[:5]}; python -m ortbridge inspect "
+        "lists what trains",
         stacklevel=4,
     )
