@@ -192,6 +192,11 @@ class Bridge:
             raise exc
         return self.gradient_graph(mode, needs_grad, tensors[0].device, tensors)
 
+    @property
+    def fell_back(self) -> bool:
+        """Whether ``auto`` moved to the other engine after a build failed."""
+        return bool(self.__dict__.get("_fell_back"))
+
     def _fall_back(self, exc: Exception) -> bool:
         """Under ``backend="auto"``, move once to the other engine after a build fails.
 
@@ -200,7 +205,7 @@ class Bridge:
         """
         if self.backend != _engines.AUTO or getattr(exc, "unreachable", None):
             return False
-        if self.__dict__.get("_fell_back"):
+        if self.fell_back:
             return False
         other = _engines.fallback(self.engine, self.model)
         if other is None:

@@ -277,8 +277,8 @@ class OnnxModule(nn.Module):
                 if exc.unreachable not in names:
                     # Under auto after a fallback both engines refused: the
                     # first one's reason names what it does not decompose.
-                    fell_back = self._bridge.__dict__.get("_fell_back")
-                    why = f"{exc.reason}; {self._bridge.engine_reason}" if fell_back else str(exc)
+                    bridge = self._bridge
+                    why = f"{exc.reason}; {bridge.engine_reason}" if bridge.fell_back else str(exc)
                     _warn_frozen(why, exc, names)
                 for name in names:
                     chosen.discard(name)

@@ -207,7 +207,11 @@ def _session(saved, original) -> onnxruntime.InferenceSession:
     except onnxruntime.capi.onnxruntime_pybind11_state.Fail:
         with pytest.raises(onnxruntime.capi.onnxruntime_pybind11_state.Fail):
             onnxruntime.InferenceSession(str(original))
-    return onnxruntime.InferenceSession(str(saved), disabled_optimizers=["MatMulAddFusion"])
+    from ortbridge._runtime._sessions import _FAILING_OPTIMIZERS
+
+    return onnxruntime.InferenceSession(
+        str(saved), disabled_optimizers=list(_FAILING_OPTIMIZERS.values())
+    )
 
 
 def _torch_gradient_like(value: np.ndarray, params: dict) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import numpy as np
 import onnx
@@ -127,6 +128,10 @@ def summarize(model: onnx.ModelProto, original: onnx.ModelProto | None = None) -
     reachable = _gradient_reachable(model, set(floats) | float_inputs)
     zero = _gradient_reachable(model, set(floats) | float_inputs, through_zero=True) - reachable
     reachable = (reachable | zero) & set(floats)
+    # The quantized weights normalisation lifted: integers in the file, float here.
+    given = {init.name: init.data_type for init in source.graph.initializer}
+    lifted = {n for n in floats if n in given and given[n] not in FLOAT_TYPES}
+    _warn_unreached(model, lifted - reachable)
     kinds = _weights.roles(source)
     constants = {
         node.output[0]
@@ -147,6 +152,41 @@ def summarize(model: onnx.ModelProto, original: onnx.ModelProto | None = None) -
         },  # fmt: skip
         from_constants=constants & set(floats),
         zero_gradient=zero,
+    )
+
+
+#: Nodes that read a weight's or an activation's integers as ortbridge's
+#: gradient does (pairs, integer products, a weight's parts joined).
+_READ_AS_QUANTIZED = frozenset(
+    {"DequantizeLinear", "MatMulInteger", "ConvInteger", "Concat", "DynamicQuantizeLSTM"}
+)
+
+
+def _warn_unreached(model: onnx.ModelProto, unreached: set[str]) -> None:
+    """Name the lifted quantized weights no gradient reaches (the default
+    freezes them): an op the file runs on integers between them and the
+    outputs (one not read as its float op) stops it, named where there is
+    one, or the outputs they reach are not float."""
+    if not unreached:
+        return
+    quantized = {n.output[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    blocking = next(
+        (
+            n for n in model.graph.node
+            if n.op_type not in _READ_AS_QUANTIZED and set(n.input) & quantized
+        ),
+        None,
+    )  # fmt: skip
+    where = (
+        f" (node {blocking.name!r}, op type {blocking.op_type}, reads quantized integers)"
+        if blocking is not None
+        else " (the outputs they lead to are not float: an ArgMax's indices ...)"
+    )
+    warnings.warn(
+        f"{len(unreached)} quantized weights stay frozen: no gradient reaches them from the "
+        f"file's float outputs{where}: {sorted(unreached)[:5]}; python -m ortbridge inspect "
+        "lists what trains",
+        stacklevel=4,
     )
 
 

@@ -87,6 +87,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ortbridge._prepare._lookup import _all_names, _infer, _unique
 from ortbridge._prepare._onnx_utils import FLOAT_TYPES, attr, np_dtype
 from ortbridge._runtime import _ort
+from ortbridge._runtime._sessions import make_session
 
 _MS = "com.microsoft"
 #: How a fused node left as it is says why (its ``doc_string``; the engine's
@@ -187,14 +188,11 @@ def declare_foreign_ranks(model: onnx.ModelProto) -> onnx.ModelProto:
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in unknown)
+    ort = _ort.runtime()
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        import onnxruntime
-
-        options = onnxruntime.SessionOptions()
-        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
-        session = onnxruntime.InferenceSession(
-            probe.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
+        session = make_session(probe, options)
     except Exception:  # (onnx-ad then says which rank it lacks)
         return model
     for arg in session.get_outputs():
@@ -211,9 +209,12 @@ _PAIRS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 #: onnxruntime's type strings of the tensors a declared output may hold.
 _ORT_TYPES = {
-    f"tensor({name})": helper.np_dtype_to_tensor_dtype(np.dtype(name))
-    for name in ("float16", "float32", "float64", "int32", "int64", "int8", "uint8", "bool")
-} | {"tensor(float)": TensorProto.FLOAT, "tensor(double)": TensorProto.DOUBLE}
+    "tensor(float)": TensorProto.FLOAT, "tensor(double)": TensorProto.DOUBLE,
+    "tensor(float16)": TensorProto.FLOAT16, "tensor(bfloat16)": TensorProto.BFLOAT16,
+    "tensor(int64)": TensorProto.INT64, "tensor(int32)": TensorProto.INT32,
+    "tensor(int8)": TensorProto.INT8, "tensor(uint8)": TensorProto.UINT8,
+    "tensor(bool)": TensorProto.BOOL,
+}  # fmt: skip
 
 
 def _fused(node: onnx.NodeProto) -> bool:

@@ -31,6 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .._lookup import _all_names, _unique
+from ._qoperators import dequantize_linear
 
 _STANDARD = ("", "ai.onnx")
 _FLOAT_OPS = {"MatMulInteger": "MatMul", "ConvInteger": "Conv"}
@@ -189,18 +190,18 @@ def has_dynamic(model: onnx.ModelProto) -> bool:
     )
 
 
-def _dequantize(data: str, scale: str, zero: str, name: str, inits) -> onnx.NodeProto:
-    """``DequantizeLinear`` of ``data`` into ``name``: per axis 1 where the scale
-    is a vector (a weight scaled per column)."""
-    per_column = scale in inits and len(inits[scale].dims) == 1 and inits[scale].dims[0] > 1
-    inputs = [data, scale] + ([zero] if zero else [])
-    return helper.make_node(
-        "DequantizeLinear", inputs, [name], name, **({"axis": 1} if per_column else {})
-    )
-
-
-def _splice(graph: onnx.GraphProto, replaced: dict) -> None:
-    """Each node whose first output ``replaced`` names replaced by its nodes."""
+def _rewrite_each(model: onnx.ModelProto, found: list, write) -> None:
+    """Each node of ``found`` (or ``(node, ...)``) replaced by what
+    ``write(item, inits, taken)`` returns, in place."""
+    if not found:
+        return
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    taken = _all_names(graph)
+    replaced = {}
+    for item in found:
+        node = item[0] if isinstance(item, tuple) else item
+        replaced[node.output[0]] = write(item, inits, taken)
     rewritten = []
     for node in graph.node:
         rewritten.extend(replaced.get(node.output[0], [node]) if node.output else [node])
@@ -212,28 +213,23 @@ def quantized_fusions_as_pairs(model: onnx.ModelProto) -> None:
     """com.microsoft ``QAttention`` and ``QEmbedLayerNormalization`` as their
     float fused op of ``DequantizeLinear`` operands (a weight scaled per
     column: per axis 1), in place; the node's outputs keep their names."""
-    found = list(_quantized_fusions(model))
-    if not found:
-        return
-    graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
-    taken = _all_names(graph)
-    replaced = {}
-    for node in found:
-        float_op, operands, inputs = _QUANTIZED_FUSIONS[node.op_type]
-        base = node.name or node.output[0]
-        nodes, dequantized = [], []
-        for slots in operands:
-            data, scale, zero = (_at(node, p) for p in slots)
-            dequantized.append(_unique(f"{base}/{data}/dequantized", taken))
-            nodes.append(_dequantize(data, scale, zero, dequantized[-1], inits))
-        args = [dequantized[int(i[1:])] if isinstance(i, str) else _at(node, i) for i in inputs]
-        while args and not args[-1]:
-            args.pop()
-        fused = helper.make_node(float_op, args, list(node.output), base, domain=node.domain)
-        fused.attribute.extend(node.attribute)
-        replaced[node.output[0]] = [*nodes, fused]
-    _splice(graph, replaced)
+    _rewrite_each(model, list(_quantized_fusions(model)), _quantized_fusion)
+
+
+def _quantized_fusion(node, inits, taken) -> list[onnx.NodeProto]:
+    float_op, operands, inputs = _QUANTIZED_FUSIONS[node.op_type]
+    base = node.name or node.output[0]
+    nodes, dequantized = [], []
+    for slots in operands:
+        data, scale, zero = (_at(node, p) for p in slots)
+        dequantized.append(_unique(f"{base}/{data}/dequantized", taken))
+        nodes.append(dequantize_linear(data, scale, zero, dequantized[-1], inits))
+    args = [dequantized[int(i[1:])] if isinstance(i, str) else _at(node, i) for i in inputs]
+    while args and not args[-1]:
+        args.pop()
+    fused = helper.make_node(float_op, args, list(node.output), base, domain=node.domain)
+    fused.attribute.extend(node.attribute)
+    return [*nodes, fused]
 
 
 def fused_as_pairs(model: onnx.ModelProto) -> None:
@@ -242,31 +238,27 @@ def fused_as_pairs(model: onnx.ModelProto) -> None:
     ``MatMul`` of ``DequantizeLinear`` operands, plus the bias; the quantized
     fused nodes as :func:`quantized_fusions_as_pairs` writes them."""
     quantized_fusions_as_pairs(model)
-    found = list(_fused(model))
-    if not found:
-        return
-    graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
-    taken = _all_names(graph)
-    replaced = {}
-    for node, slots in found:
-        a, b, a_scale, b_scale, a_zero, b_zero, bias = (_at(node, p) for p in slots)
-        base = node.name or node.output[0]
-        fresh = lambda stem, base=base: _unique(f"{base}/{stem}", taken)  # noqa: E731
-        nodes = []
-        if slots[2] is None:  # quantized here, as DynamicQuantizeLinear does
-            q, a_scale, a_zero = fresh("a_quantized"), fresh("a_scale"), fresh("a_zero_point")
-            nodes.append(helper.make_node("DynamicQuantizeLinear", [a], [q, a_scale, a_zero], q))
-            a = q
-        a_f, b_f = fresh("a_dequantized"), fresh("b_dequantized")
-        nodes.append(_dequantize(a, a_scale, a_zero, a_f, inits))
-        nodes.append(_dequantize(b, b_scale, b_zero, b_f, inits))
-        product = fresh("product") if bias else node.output[0]
-        nodes.append(helper.make_node("MatMul", [a_f, b_f], [product], base))
-        if bias:
-            nodes.append(helper.make_node("Add", [product, bias], [node.output[0]], fresh("bias")))
-        replaced[node.output[0]] = nodes
-    _splice(graph, replaced)
+    _rewrite_each(model, list(_fused(model)), _fused_product)
+
+
+def _fused_product(found, inits, taken) -> list[onnx.NodeProto]:
+    node, slots = found
+    a, b, a_scale, b_scale, a_zero, b_zero, bias = (_at(node, p) for p in slots)
+    base = node.name or node.output[0]
+    fresh = lambda stem: _unique(f"{base}/{stem}", taken)  # noqa: E731
+    nodes = []
+    if slots[2] is None:  # quantized here, as DynamicQuantizeLinear does
+        q, a_scale, a_zero = fresh("a_quantized"), fresh("a_scale"), fresh("a_zero_point")
+        nodes.append(helper.make_node("DynamicQuantizeLinear", [a], [q, a_scale, a_zero], q))
+        a = q
+    a_f, b_f = fresh("a_dequantized"), fresh("b_dequantized")
+    nodes.append(dequantize_linear(a, a_scale, a_zero, a_f, inits))
+    nodes.append(dequantize_linear(b, b_scale, b_zero, b_f, inits))
+    product = fresh("product") if bias else node.output[0]
+    nodes.append(helper.make_node("MatMul", [a_f, b_f], [product], base))
+    if bias:
+        nodes.append(helper.make_node("Add", [product, bias], [node.output[0]], fresh("bias")))
+    return nodes
 
 
 def dynamic_as_pairs(model: onnx.ModelProto) -> None:

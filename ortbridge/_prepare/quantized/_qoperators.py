@@ -123,7 +123,7 @@ def _integer_views_as_float(graph: onnx.GraphProto, taken) -> None:
             nodes.append(node)
             continue
         padding = None
-        if node.op_type == "Pad" and attr(node, "mode", b"constant") in (b"constant", "constant"):
+        if node.op_type == "Pad" and attr(node, "mode", "constant") == "constant":
             constant = _float_padding(node, source, inits, taken)
             if constant is None:
                 nodes.append(node)
@@ -175,6 +175,17 @@ def _float_padding(node, source, inits, taken) -> onnx.NodeProto | None:
     return helper.make_node("Constant", [], [name], name, value=numpy_helper.from_array(padded))
 
 
+def dequantize_linear(data: str, scale: str, zero: str, name: str, inits, axis: int = 1):
+    """``DequantizeLinear`` of ``data`` into ``name``, along ``axis`` where the
+    scale is an initializer of more than one value (per channel or column)."""
+    init = inits.get(scale)
+    per_axis = init is not None and len(init.dims) == 1 and init.dims[0] > 1
+    inputs = [data, scale] + ([zero] if zero else [])
+    return helper.make_node(
+        "DequantizeLinear", inputs, [name], name, **({"axis": axis} if per_axis else {})
+    )
+
+
 class _Writer:
     def __init__(self, node, inits, taken, graph):
         self.node, self.inits, self.taken, self.graph = node, inits, taken, graph
@@ -184,17 +195,9 @@ class _Writer:
     def _fresh(self, stem: str) -> str:
         return _unique(f"{self.node.name or self.node.output[0]}/{stem}", self.taken)
 
-    def _axis(self, scale: str, axis: int) -> dict:
-        init = self.inits.get(scale)
-        per_axis = init is not None and len(init.dims) == 1 and init.dims[0] > 1
-        return {"axis": axis} if per_axis else {}
-
     def dequantized(self, data: str, scale: str, zero: str, axis: int = 1) -> str:
         name = self._fresh(f"{data}/dequantized")
-        inputs = [data, scale] + ([zero] if zero else [])
-        self.out.append(
-            helper.make_node("DequantizeLinear", inputs, [name], name, **self._axis(scale, axis))
-        )
+        self.out.append(dequantize_linear(data, scale, zero, name, self.inits, axis))
         return name
 
     def quantized(self, value: str, scale: str, zero: str, target: str) -> None:
