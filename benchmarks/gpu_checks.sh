@@ -32,7 +32,8 @@ elif [ ! -d "$site/onnxruntime" ]; then
         >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 fi
 if [ -z "$dry" ]; then
-    export PYTHONPATH="$site:$PWD" ORTBRIDGE_MODEL_CACHE=/tmp/payload/models
+    # No registry there: the tests' published files but the carried ones skip, named.
+    export PYTHONPATH="$site:$PWD" ORTBRIDGE_MODEL_CACHE=/tmp/payload/models ORTBRIDGE_OFFLINE=1
 fi
 # onnxruntime's CUDA provider loads cuDNN and cuBLAS: those of torch's NVIDIA packages.
 nvidia_libs=$("$py" - <<'EOF'
@@ -65,21 +66,20 @@ has environment && stage environment 45 bash -c \
 # which another process's CUDA work would move.
 has cuda_tests && stage cuda_tests 240 "$py" -m pytest -q -p no:cacheprovider -rs -s \
     tests/test_cuda.py tests/test_execution.py -k "cuda or CUDA"
-# Then the whole suite (published models but the carried ones need the registry: left
-# out; the CUDA tests ran above) in the background on most cores.
+# Then the whole suite, alone on most cores (the published models but the carried
+# ones need the registry: left out; the CUDA tests ran above). -v: each test's result
+# is written as it ends, so a suite cut off at its limit still names its failures.
 if has suite; then
     # The rehearsal collects only, without the GPU image's xdist and timeout plugins.
-    parallel=(-n 10 --timeout 150)
-    [ -n "$dry" ] && parallel=(--collect-only)
-    timeout 200 "$py" -m pytest -q -p no:cacheprovider "${parallel[@]}" tests \
+    parallel=(-v -n 14 --timeout 150)
+    [ -n "$dry" ] && parallel=(-q --collect-only)
+    start=$SECONDS
+    timeout 300 "$py" -m pytest -p no:cacheprovider -rf "${parallel[@]}" tests \
         --ignore=tests/test_published_models.py --ignore=tests/test_cuda.py \
-        >"$out/suite.log" 2>&1 &
-    suite=$!
-fi
-if has suite; then
-    wait $suite
-    echo "== suite: exit $?"
-    tail -n 30 "$out/suite.log"
+        >"$out/suite.log" 2>&1
+    echo "== suite: exit $? after $((SECONDS - start)) s"
+    grep -E "(FAILED|ERROR) tests/" "$out/suite.log" | sort -u | head -n 40
+    tail -n 3 "$out/suite.log"
 fi
 bench=${GPU_BENCH_OUT:-/tmp/bench}
 step_args=(--rounds 5 --steps 10)

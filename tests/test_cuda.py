@@ -130,7 +130,8 @@ def test_float16_gradients_are_as_close_to_float32_as_torch_s_own(name, device, 
     ref = make().eval().to(device)
     x = torch.randn(*shape).to(device)
     half = copy.deepcopy(ref).half()
-    proto = export(half.cpu(), (x.half().cpu(),), dynamic_batch=False)
+    # Exported from a copy on the CPU: Module.cpu() moves the module itself.
+    proto = export(copy.deepcopy(half).cpu(), (x.half().cpu(),), dynamic_batch=False)
     if backend == "training-agent" and name == "transformer-layer":
         with pytest.raises(NotDifferentiableError, match="training-agent engine cannot train"):
             OnnxModule(proto)(x.half().cpu())

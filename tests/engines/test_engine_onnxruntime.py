@@ -465,6 +465,65 @@ def test_strided_1d_conv_input_gradient_by_col2im_matches_torch(
     assert ("Col2Im" in ops and "ConvTranspose" not in ops) == col2im, ops
 
 
+@needs_engine
+@pytest.mark.parametrize(
+    "batch, kernel, padding, dilation, as_conv",
+    [
+        (2, 3, 1, 1, True),
+        (1, 3, 1, 1, False),
+        (2, (3, 5), (1, 2), 1, True),
+        (3, 3, 0, 2, True),
+    ],
+    ids=["3x3", "3x3-few-positions", "3x5", "3x3-dilated"],
+)
+def test_dense_input_gradient_of_stride_one_over_many_positions_is_a_conv(
+    batch, kernel, padding, dilation, as_conv, monkeypatch
+):
+    """A dense convolution of stride 1 over many output positions has its input
+    gradient as the Conv of the gradient by the flipped kernel, its channel
+    axes swapped (onnxruntime's Col2Im runs on one thread); over fewer, MatMul
+    and Col2Im; torch's gradients either way. (The threshold lowered to this
+    small image's positions.)"""
+    from ortbridge._engines.onnxruntime.passes import _conv_grad
+
+    monkeypatch.setattr(_conv_grad, "_FLIPPED_POSITIONS", 250)
+    torch.manual_seed(batch)
+    model = nn.Sequential(nn.Conv2d(3, 5, kernel, 1, padding, dilation), nn.Tanh())
+    x = torch.randn(batch, 3, 14, 15)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [True, True, True], x.device, [x])
+    ops = [n.op_type for n in built.static_built([x]).split.backward.graph.node]
+    assert "ConvTranspose" not in ops, ops
+    assert ("Col2Im" not in ops) == as_conv, ops
+
+
+@needs_engine
+@pytest.mark.parametrize(
+    "batch, channels, size, one_product",
+    [(4, 32, 4, True), (1, 32, 4, True), (2, 4, 12, False)],
+    ids=["deep", "deep-batch-1", "shallow"],
+)
+def test_weight_gradient_of_many_channels_over_few_positions_is_one_product(
+    batch, channels, size, one_product
+):
+    """Where one product per image would hold many times the activations (a deep
+    layer: many channels, few positions), the weight gradient is one product
+    over every image's positions instead (not onnx-ad's convolution, 1.5-2.4x
+    slower there); a shallow layer keeps the batched products. Torch's
+    gradients either way."""
+    torch.manual_seed(channels)
+    model = nn.Sequential(nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.Tanh())
+    x = torch.randn(batch, channels, size, size)
+    layer = OnnxModule(export(model, (x,), dynamic_batch=False), backend=ORT)
+    _compare(model, layer, x)
+    built = layer._bridge.gradient_graph("train", [True, True, True], x.device, [x])
+    backward = built.static_built([x]).split.backward.graph
+    made = {o.rsplit("/", 1)[-1] for n in backward.node for o in n.output}
+    assert "cols" in made, made  # the im2col form, not onnx-ad's convolution
+    assert ("cols2_t" in made) == one_product, made
+
+
 class _ViewThenMatMul(nn.Module):
     """A transposed activation, reshaped, which a MatMul's weight gradient reads."""
 

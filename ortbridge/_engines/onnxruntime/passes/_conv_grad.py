@@ -34,11 +34,12 @@ stride 2), only the taps the crop keeps are gathered (YOLOv8n's step 0.92x at
 batch 4, PP-OCRv6's detector 0.94-0.96x, with the Resize rule of
 :mod:`.._rules`).
 
+Where the batched product would be large next to the activations (it holds
+``N * C_out * C_in * KH * KW`` values: the deep layers of few positions and
+many channels), the batch joins the positions of one product instead.
 Applied to graphs with static shapes only, to group 1 and unit strides of the
-gradient convolution (the forward's dilation 1), where the batched
-product stays small next to the activations (it holds ``N * C_out * C_in *
-KH * KW`` values), and to kernels of at most 16 taps or fewer taps than
-filters.
+gradient convolution (the forward's dilation 1), and to kernels of at most 16
+taps or fewer taps than filters.
 
 The input gradient onnx-ad writes as ``ConvTranspose(G, W)``, which
 onnxruntime runs slowly on the CPU, and more slowly still with workers that
@@ -55,9 +56,14 @@ count for the input's shape, strides, pads and dilations is the gradient's
 ``h x w`` (output padding would break that). A 1-D convolution (Whisper's
 audio stem) takes the form at strides above 1 only, as an image of one row.
 
-A depthwise Conv's input gradient of stride 1 (kernels up to 7x7) is instead
-the depthwise ``Conv`` of the gradient by the flipped kernel, which
-onnxruntime runs faster than its depthwise ``ConvTranspose``.
+A stride-1 input gradient is instead the ``Conv`` of the gradient by the
+flipped kernel where onnxruntime runs that faster: a depthwise one's (kernels
+up to 7x7), a dense 2-D one's over many output positions (its ``Col2Im``
+runs on one thread).
+
+The module stays one module: the input gradients' pass reads the shapes the
+weight gradients' pass inferred (its ``found``), and both read the same
+layout helpers.
 """
 
 from __future__ import annotations
@@ -137,8 +143,8 @@ def conv_input_gradients(model: onnx.ModelProto, found: Facts | None = None) -> 
         found = dataclasses.replace(found, taken=_all_names(graph))
 
     def rewrite(node):
-        depthwise = _depthwise_conv(node, found)
-        return depthwise if depthwise is not None or opset < 18 else _col2im(node, found)
+        flipped = _flipped_conv(node, found)
+        return flipped if flipped is not None or opset < 18 else _col2im(node, found)
 
     replace_nodes(graph, rewrite)
 
@@ -151,14 +157,23 @@ def conv_input_gradients(model: onnx.ModelProto, found: Facts | None = None) -> 
 #: (its 7x7s) 0.88-0.90x, two ConvNeXt blocks 0.80-1.00x. Larger kernels are
 #: unmeasured and keep the ConvTranspose.
 _DEPTHWISE_TAPS = 49
+#: A dense 2-D input gradient of stride 1 over at least this many output
+#: positions (batch times height times width) has it as a Conv: onnxruntime's
+#: Conv (im2col and its threaded product) against the product and Col2Im (one
+#: thread), 3x3 on 2 cores (AMD EPYC), batch 4: 64 channels 40x40 1.39 against
+#: 1.72 ms, 32 channels 80x80 1.99 against 2.88, 48 channels 48x48 at batch 8
+#: 2.68 against 3.50; even at 6400 positions (16 channels 40x40), slower below
+#: (64 channels 20x20: 0.66 against 0.44 ms; 40x40 at batch 1: 0.65 against 0.47).
+_FLIPPED_POSITIONS = 6400
 
 
-def _depthwise_conv(node, found):
-    """A depthwise ``ConvTranspose`` of stride 1 as the depthwise ``Conv`` it
-    equals: the kernel flipped, pads ``d (k - 1) - p``. On 2 cores: SegFormer's
-    3x3 over 16x16x8x8 113 -> 79 us, over 16x32x4x4 98 -> 80 us; MobileViT's
-    over 16x32x16x16, whose gradients are denormal numbers with random
-    weights, 9.7 -> 4.9 ms."""
+def _flipped_conv(node, found):
+    """A ``ConvTranspose`` of stride 1 as the ``Conv`` it equals: the kernel
+    flipped (its two channel axes swapped where dense), pads ``d (k - 1) - p``.
+    Depthwise, on 2 cores: SegFormer's 3x3 over 16x16x8x8 113 -> 79 us, over
+    16x32x4x4 98 -> 80 us; MobileViT's over 16x32x16x16, whose gradients are
+    denormal numbers with random weights, 9.7 -> 4.9 ms. Dense: see
+    :data:`_FLIPPED_POSITIONS`."""
     if node.op_type != "ConvTranspose" or node.domain not in ("", "ai.onnx"):
         return None
     if len(node.input) != 2 or attr(node, "auto_pad", "NOTSET") != "NOTSET":
@@ -167,14 +182,20 @@ def _depthwise_conv(node, found):
     if not (_static(g_shape) and _static(w_shape)) or len(w_shape) < 3:
         return None
     group, spatial = attr(node, "group", 1), len(w_shape) - 2
-    if group == 1 or w_shape[0] != group or w_shape[1] != 1 or g_shape[1] != group:
+    depthwise = group > 1 and w_shape[0] == group and w_shape[1] == 1 and g_shape[1] == group
+    dense = (
+        group == 1
+        and spatial == 2
+        and int(np.prod([g_shape[0], *g_shape[2:]])) >= (_FLIPPED_POSITIONS)
+    )
+    if not (depthwise or dense):
         return None
     if any(s != 1 for s in attr(node, "strides", [1] * spatial)):
         return None
     if any(attr(node, "output_padding", [0] * spatial)) or attr(node, "output_shape", None):
         return None
     kernel, dilations = w_shape[2:], list(attr(node, "dilations", [1] * spatial))
-    if int(np.prod(kernel)) > _DEPTHWISE_TAPS:
+    if depthwise and int(np.prod(kernel)) > _DEPTHWISE_TAPS:
         return None
     pads = list(attr(node, "pads", [0] * (2 * spatial)))
     reach = [d * (k - 1) for d, k in zip(dilations, kernel)] * 2
@@ -182,15 +203,21 @@ def _depthwise_conv(node, found):
     if min(flipped_pads) < 0:
         return None
     stem, taken = node.output[0], found.taken
-    starts, ends, axes, steps, flipped = (
-        _unique(f"{stem}/{s}", taken) for s in ("starts", "ends", "axes", "steps", "flipped")
+    starts, ends, axes, steps, flipped, swapped = (
+        _unique(f"{stem}/{s}", taken)
+        for s in ("starts", "ends", "axes", "steps", "flipped", "swapped")
     )
+    weight, swap = node.input[1], []
+    if dense:  # (C_out, C_in, k...) of the forward -> the adjoint's (C_in, C_out, k...)
+        swap = [helper.make_node("Transpose", [weight], [swapped], perm=[1, 0, 2, 3])]
+        weight = swapped
     return [
+        *swap,
         _const(starts, [-1] * spatial),
         _const(ends, [-(2**62)] * spatial),
         _const(axes, list(range(2, 2 + spatial))),
         _const(steps, [-1] * spatial),
-        helper.make_node("Slice", [node.input[1], starts, ends, axes, steps], [flipped]),
+        helper.make_node("Slice", [weight, starts, ends, axes, steps], [flipped]),
         helper.make_node(
             "Conv",
             [node.input[0], flipped],
@@ -357,8 +384,7 @@ def _rewrite(node, found, crops):
         # a step, 3.2 ms without, 2 cores) keeps onnx-ad's one convolution.
         return None
     product = n * c_out * c_in * kh * kw
-    if product > _MAX_PRODUCT_RATIO * max(np.prod(shapes[x]), np.prod(g_shape)):
-        return None
+    batched = product <= _MAX_PRODUCT_RATIO * max(np.prod(shapes[x]), np.prod(g_shape))
     stem = node.output[0]
     names = [_unique(f"{stem}/{s}", taken) for s in ("onehot", "cols", "cols3", "g3", "prod")]
     onehot, cols, cols3, g3, prod = names
@@ -379,15 +405,52 @@ def _rewrite(node, found, crops):
         ),
         _const(shape_names[0], [n, c_in * kh * kw, h * w]),
         helper.make_node("Reshape", [cols, shape_names[0]], [cols3]),
-        helper.make_node("Transpose", [cols3], [colst], perm=[0, 2, 1]),
         _const(shape_names[1], [n, c_out, h * w]),
         helper.make_node("Reshape", [g, shape_names[1]], [g3]),
-        helper.make_node("MatMul", [g3, colst], [prod]),
-        _const(axes, [0]),
-        helper.make_node("ReduceSum", [prod, axes], [summed], keepdims=0),
+        *(
+            _batched_product(cols3, g3, colst, prod, axes, summed)
+            if batched
+            else _one_product(cols3, g3, [n, c_in * kh * kw, c_out, h * w], summed, taken)
+        ),
         _const(shape_names[2], [c_out, c_in, kh, kw]),
         helper.make_node("Reshape", [summed, shape_names[2]], [w4]),
         helper.make_node("Transpose", [w4], [node.output[0]], node.name, perm=[1, 0, 2, 3]),
+    ]
+
+
+def _batched_product(cols3, g3, colst, prod, axes, summed):
+    """``sum_n G[n] @ P[n]^T``: one product per image, then their sum."""
+    return [
+        helper.make_node("Transpose", [cols3], [colst], perm=[0, 2, 1]),
+        helper.make_node("MatMul", [g3, colst], [prod]),
+        _const(axes, [0]),
+        helper.make_node("ReduceSum", [prod, axes], [summed], keepdims=0),
+    ]
+
+
+def _one_product(cols3, g3, sizes, summed, taken):
+    """The same sums as one product over every image's positions, ``G' (C_out,
+    N*h*w) @ P' (C_in*kh*kw, N*h*w)^T``, where the batched product would hold
+    many times the activations (:data:`_MAX_PRODUCT_RATIO`): the batch moved
+    inside costs a copy of the columns and of the gradient, not a tensor the
+    size of ``N`` weights. On 2 cores (AMD EPYC), 3x3 at batch 4: 128 -> 256
+    channels from 20x20 at stride 2 0.65 ms, 256 channels 10x10 1.29 ms,
+    against 1.94 and 3.08 ms for onnx-ad's convolution (YOLOv8n's deepest
+    layers)."""
+    n, taps, c_out, positions = sizes
+    names = [_unique(f"{summed}/{s}", taken) for s in ("cols_t", "cols2", "g_t", "g2")]
+    cols_t, cols2, g_t, g2 = names
+    rows, filters = _unique(f"{summed}/rows", taken), _unique(f"{summed}/filters", taken)
+    cols2_t = _unique(f"{summed}/cols2_t", taken)
+    return [
+        helper.make_node("Transpose", [cols3], [cols_t], perm=[1, 0, 2]),
+        _const(rows, [taps, n * positions]),
+        helper.make_node("Reshape", [cols_t, rows], [cols2]),
+        helper.make_node("Transpose", [g3], [g_t], perm=[1, 0, 2]),
+        _const(filters, [c_out, n * positions]),
+        helper.make_node("Reshape", [g_t, filters], [g2]),
+        helper.make_node("Transpose", [cols2], [cols2_t], perm=[1, 0]),
+        helper.make_node("MatMul", [g2, cols2_t], [summed]),
     ]
 
 
