@@ -14,6 +14,10 @@ gradients), the backward runs later. Plain graph code, no onnxruntime.
 - A view (``Reshape``, ``Squeeze``...) of a forward tensor is taken in the
   backward, the tensor viewed returned: onnxruntime would copy the view out.
 - An adjoint that depends on no seed is zero (no gradient reaches it).
+- Small vectors the backward reads (an eval BatchNorm's per-channel factors)
+  cross as one tensor, concatenated in the forward and split in the
+  backward: each tensor handed to torch and back costs about 1 us a
+  crossing, more than two nodes over a few hundred numbers.
 """
 
 from __future__ import annotations
@@ -175,10 +179,53 @@ def split(
     forward_inputs = [n for n in graph_inputs if n not in seed_set]
     # Residuals that are primal outputs are returned once, as outputs.
     extra = [r for r in residuals if r not in primal_outputs]
+    opset = next((o.version for o in reverse.opset_import if o.domain in ("", "ai.onnx")), 0)
+    # Split reads its sizes from an input from opset 13 (ortbridge raises files to it).
+    packed = _small_vectors(extra, types) if opset >= 13 else []
+    if packed:
+        name = _unique("packed_residuals", _all_names(graph))
+        nodes.append(helper.make_node("Concat", packed, [name], axis=0))
+        forward_idx.add(len(nodes) - 1)
+        sizes = [types[n].type.tensor_type.shape.dim[0].dim_value for n in packed]
+        split_sizes = _unique("packed_sizes", _all_names(graph) | {name})
+        unpack = [
+            helper.make_node("Constant", [], [split_sizes], value_ints=sizes),
+            helper.make_node("Split", [name, split_sizes], list(packed), axis=0),
+        ]
+        nodes.extend(unpack)
+        backward_idx.update(range(len(nodes) - len(unpack), len(nodes)))
+        dtype = types[packed[0]].type.tensor_type.elem_type
+        types[name] = helper.make_tensor_value_info(name, dtype, [sum(sizes)])
+        residuals = [name] + [r for r in residuals if r not in packed]
+        extra = [name] + [r for r in extra if r not in packed]
     fw = model(forward_idx, forward_inputs, list(primal_outputs) + extra)
     bw = model(backward_idx, backward_inputs + residuals + list(seeds), live)
+    if packed:  # the unpacking first: the nodes read it in that order
+        made = {o for n in unpack for o in n.output}
+        order = sorted(bw.graph.node, key=lambda n: not made.intersection(n.output))
+        del bw.graph.node[:]
+        bw.graph.node.extend(order)
     _drop_seed_axis(bw, list(seeds))
     return Split(fw, bw, residuals, backward_inputs, zero, live)
+
+
+#: Residuals of one dimension and at most this many elements are packed.
+_SMALL_VECTOR = 4096
+
+
+def _small_vectors(extra: list[str], types: dict) -> list[str]:
+    """The residuals that cross as one tensor: vectors of a statically known,
+    small size, of the element type most of them have (none unless two)."""
+    found: dict[int, list[str]] = {}
+    for name in extra:
+        vi = types.get(name)
+        dims = vi.type.tensor_type.shape.dim if vi is not None else ()
+        if len(dims) != 1 or not dims[0].HasField("dim_value"):
+            continue
+        if 0 < dims[0].dim_value <= _SMALL_VECTOR:
+            found.setdefault(vi.type.tensor_type.elem_type, []).append(name)
+    best = max(found.values(), key=len, default=[])
+    return best if len(best) > 1 else []
 
 
 def _drop_seed_axis(model: onnx.ModelProto, seeds: list[str]) -> None:
