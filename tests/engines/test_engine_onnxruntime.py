@@ -983,7 +983,12 @@ def test_weight_gradient_of_a_linear_is_one_product_in_the_weight_layout(rows):
             node = producer[node.input[0]]
         assert node.op_type == "MatMul", (weight, node.op_type)
     # The only Transposes left turn the output gradients (batch-sized), not weights.
-    transposed = [producer[n.input[0]].op_type for n in backward.node if n.op_type == "Transpose"]
+    # (an output gradient is a graph input: no node writes it)
+    transposed = [
+        producer[n.input[0]].op_type if n.input[0] in producer else "input"
+        for n in backward.node
+        if n.op_type == "Transpose"
+    ]
     assert all(op != "MatMul" for op in transposed), transposed
 
 

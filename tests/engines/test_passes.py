@@ -535,3 +535,73 @@ def test_a_model_with_an_inner_softmax_trains_as_torch():
     ran = [b for g in layer._bridge._gradient_graphs.values() for b in g._in_use()]
     ops = {n.op_type for built in ran for n in built.split.forward.graph.node}
     assert ran and "Softmax" not in ops and "ReduceMax" in ops
+
+
+def test_views_that_keep_their_input_s_shape_are_dropped_and_the_values_stay():
+    """A view whose output has its input's shape is read through (a chain of
+    them too); one writing a graph output is dropped where its source's node
+    can write that name instead, not where the source is a graph input, is
+    another output's source, or a loop body reads it; every output as before."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from ortbridge._engines.onnxruntime.passes._optimize import facts
+    from ortbridge._engines.onnxruntime.passes.unit_axes._identity_views import (
+        drop_identity_views,
+    )
+    from ortbridge._prepare._onnx_utils import make_model
+
+    f = TensorProto.FLOAT
+    shape = helper.make_node("Constant", [], ["shape"], value_ints=[2, 3])
+    branches = [
+        helper.make_graph(
+            [helper.make_node(op, ["seen"], [f"{op}_seen"])],
+            op,
+            [],
+            [helper.make_tensor_value_info(f"{op}_seen", f, [2, 3])],
+        )
+        for op in ("Neg", "Abs")
+    ]
+    nodes = [
+        shape,
+        helper.make_node("Tanh", ["x"], ["t"]),
+        helper.make_node("Reshape", ["t", "shape"], ["t1"]),  # a chain of two
+        helper.make_node("Identity", ["t1"], ["t2"]),
+        helper.make_node("Mul", ["t2", "x"], ["m"]),
+        helper.make_node("Reshape", ["m", "shape"], ["out_m"]),  # writes an output
+        helper.make_node("Reshape", ["x", "shape"], ["out_x"]),  # of a graph input
+        helper.make_node("Exp", ["x"], ["e"]),
+        helper.make_node("Reshape", ["e", "shape"], ["out_e1"]),  # two outputs, one source
+        helper.make_node("Reshape", ["e", "shape"], ["out_e2"]),
+        helper.make_node("Sigmoid", ["x"], ["g"]),
+        helper.make_node("Reshape", ["g", "shape"], ["seen"]),  # a loop body reads it
+        helper.make_node("Constant", [], ["yes"], value=helper.make_tensor("c", 9, [], [1])),
+        helper.make_node(
+            "If", ["yes"], ["out_s"], then_branch=branches[0], else_branch=branches[1]
+        ),
+        helper.make_node("Reshape", ["m", "shape"], ["flat"]),  # changes the shape: kept
+        helper.make_node("Neg", ["flat"], ["out_n"]),
+    ]
+    nodes[-2] = helper.make_node("Reshape", ["m", "six"], ["flat"])
+    six = helper.make_tensor("six", TensorProto.INT64, [1], [6])
+    outs = ["out_m", "out_x", "out_e1", "out_e2", "out_s", "out_n"]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", f, [2, 3])],
+        [helper.make_tensor_value_info(o, f, None) for o in outs],
+        [six],
+    )
+    model = make_model(graph, opset=18)
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)}
+    before = _run(model, feeds)
+    dropped = drop_identity_views(model, facts(model).shapes)
+    for name, a, b in zip(outs, before, _run(model, feeds)):
+        np.testing.assert_array_equal(b, a, err_msg=name)
+    writer = {o: n for n in model.graph.node for o in n.output}
+    assert dropped == 4  # t1, t2, out_m, one of out_e1/out_e2
+    assert writer["out_m"].op_type == "Mul" and writer["out_m"].input[0] == "t"
+    assert writer["out_x"].op_type == "Reshape"  # a graph input has no node to write it
+    assert sorted(writer[o].op_type for o in ("out_e1", "out_e2")) == ["Exp", "Reshape"]
+    assert writer["seen"].op_type == "Reshape"  # read from outside by the loop body
+    assert writer["flat"].op_type == "Reshape"

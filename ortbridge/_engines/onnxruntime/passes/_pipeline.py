@@ -47,6 +47,7 @@ from .scan._outputs import scan_outputs_without_copies
 from .scan._products import fused_scan_products
 from .scan._seed_axis import scan_bodies_without_seed_axis
 from .scan._sums import hoisted_scan_sums
+from .unit_axes._identity_views import drop_identity_views
 from .unit_axes._seed import without_seed_axis
 from .unit_axes._transposes import composed_transposes, squeezed_transposes
 
@@ -159,6 +160,13 @@ def _known_shape_forms(g: Graphs) -> None:
         spread_short_broadcasts(g.backward, found)
         merge_reshapes(g.backward.graph)
         reductions_dropping_axes(g.backward, found)
+    g.backward_facts = found
+
+
+def _identity_views(g: Graphs) -> None:
+    found = _current_facts(g)
+    if found is not None:
+        drop_identity_views(g.backward, found.shapes)
 
 
 PASSES: tuple[Pass, ...] = (
@@ -197,6 +205,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("adjoints without the seed axis", BACKWARD, True, _unseeded),
     Pass("reductions, scalar operands and short broadcasts at known shapes", BACKWARD, True,
          _known_shape_forms),
+    # Last of the rewrites: the views the passes above leave keeping a shape.
+    Pass("views that keep their input's shape dropped", BACKWARD, True, _identity_views),
     # Not a speed-up: a kernel the CPU provider lacks (every shape; after the
     # passes above, which read the scatters as onnx-ad wrote them).
     Pass("float16 scatters that add, in float32", BACKWARD, False,
