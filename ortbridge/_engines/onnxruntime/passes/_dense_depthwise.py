@@ -23,11 +23,12 @@ and onnx-ad's MatMul rules give the gradients as products too:
 layer then takes 34 us forward and 71 us for both gradients.
 
 The dense product does ``P / T`` times the convolution's multiplications,
-and building ``M`` costs ``T / N`` times the product's: applied where
-``P <= 8 T``, ``T <= 4 N`` and ``S`` holds at most :data:`MAX_ONE_HOT`
-values (ConvNeXt's and MobileViT's late stages; a 3x3 over 16x16 pixels, at
-28x, stays a Conv). Static shapes only, 2-D, float32 or float64, one filter
-per channel. Exact up to the order of the sums.
+and building ``M`` costs ``T / N`` times the product's: together ``P / T +
+P / N`` times the convolution's. Applied where ``P <= 8 T``, ``T <= 4 N``,
+that sum is at most :data:`MAX_WORK` and ``S`` holds at most
+:data:`MAX_ONE_HOT` values (ConvNeXt's and MobileViT's late stages; a 3x3
+over 16x16 pixels, at 28x, stays a Conv). Static shapes only, 2-D, float32
+or float64, one filter per channel. Exact up to the order of the sums.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ MAX_ONE_HOT = 1 << 22
 MAX_DENSITY = 8
 #: Building ``M`` may cost this many times the product (taps per image of the batch).
 MAX_TAPS_PER_ROW = 4
+#: The product and building ``M`` together may do this many times the
+#: convolution's multiplications. PP-OCR's direction classifier at batch 16
+#: (5x5 over 3x64 pixels: 7.7 + 12) spent 38 of its step's 124 ms in two such
+#: layers, 0.78x the step as Convs; MobileViT's 3x3s over 8x8 at batch 16
+#: (7.1 + 4) are the same speed either way (A/B in one process, 2 cores).
+MAX_WORK = 16
 
 #: The tensors one rewrite adds, each named ``<output>/dense_<suffix>``.
 _NAMES = (
@@ -97,6 +104,8 @@ def _dense(node, found):
         return None
     taps, p, q = kernel[0] * kernel[1], h * w_, ys[2] * ys[3]
     if p > MAX_DENSITY * taps or taps > MAX_TAPS_PER_ROW * n or taps * p * q > MAX_ONE_HOT:
+        return None
+    if p / taps + p / n > MAX_WORK:
         return None
     stem, taken = node.output[0], found.taken
     names = {suffix: _unique(f"{stem}/dense_{suffix}", taken) for suffix in _NAMES}
