@@ -565,7 +565,8 @@ def test_views_that_keep_their_input_s_shape_are_dropped_and_the_values_stay():
     nodes = [
         shape,
         helper.make_node("Tanh", ["x"], ["t"]),
-        helper.make_node("Reshape", ["t", "shape"], ["t1"]),  # a chain of two
+        helper.make_node("Constant", [], ["shape_t"], value_ints=[2, 3]),
+        helper.make_node("Reshape", ["t", "shape_t"], ["t1"]),  # a chain of two
         helper.make_node("Identity", ["t1"], ["t2"]),
         helper.make_node("Mul", ["t2", "x"], ["m"]),
         helper.make_node("Reshape", ["m", "shape"], ["out_m"]),  # writes an output
@@ -605,3 +606,6 @@ def test_views_that_keep_their_input_s_shape_are_dropped_and_the_values_stay():
     assert sorted(writer[o].op_type for o in ("out_e1", "out_e2")) == ["Exp", "Reshape"]
     assert writer["seen"].op_type == "Reshape"  # read from outside by the loop body
     assert writer["flat"].op_type == "Reshape"
+    # A shape only dropped views read goes with them; one still read stays.
+    assert "shape_t" not in writer
+    assert writer["shape"].op_type == "Constant"  # out_x's and seen's views read it still

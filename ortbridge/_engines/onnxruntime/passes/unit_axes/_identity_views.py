@@ -61,6 +61,11 @@ def drop_identity_views(model: onnx.ModelProto, shapes: dict) -> int:
         renamed[src] = out
     if not same:
         return 0
+    # The dropped views' shape and axes operands, where a Constant node wrote
+    # them, go with the views once nothing else reads them.
+    operands = {
+        name for n in graph.node if n.output and n.output[0] in same for name in n.input[1:]
+    }
     kept = []
     for node in graph.node:
         if node.output and node.output[0] in same:
@@ -72,6 +77,12 @@ def drop_identity_views(model: onnx.ModelProto, shapes: dict) -> int:
         for i, name in enumerate(node.output):
             node.output[i] = renamed.get(name, name)
         kept.append(node)
+    read = {r for n in kept for r in node_reads(n)} | outputs
+    kept = [
+        n
+        for n in kept
+        if not (n.op_type == "Constant" and n.output[0] in operands and n.output[0] not in read)
+    ]
     del graph.node[:]
     graph.node.extend(kept)
     gone = set(same) | set(renamed)
