@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import onnx
 
-from ortbridge._prepare._onnx_utils import node_reads
+from ortbridge._prepare._onnx_utils import node_reads, subgraph_reads, subgraphs
 
-_VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+from .._simplify import _VIEWS
 
 
 def drop_identity_views(model: onnx.ModelProto, shapes: dict) -> int:
@@ -31,7 +31,7 @@ def drop_identity_views(model: onnx.ModelProto, shapes: dict) -> int:
     given = {i.name for i in graph.input} | {i.name for i in graph.initializer}
     produced = {o for n in graph.node for o in n.output if o}
     # Names a loop body reads from outside keep their names (and their views).
-    inner = {r for n in graph.node for r in node_reads(n)[len(n.input) :]}
+    inner = {r for n in graph.node for body in subgraphs(n) for r in subgraph_reads(body)}
     same = {}  # view output -> the tensor it views
     for node in graph.node:
         if node.op_type not in _VIEWS or node.domain not in ("", "ai.onnx") or not node.input:
